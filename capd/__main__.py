@@ -1,0 +1,3 @@
+from capd.cli import main
+
+main()

@@ -1,0 +1,235 @@
+"""Immutable records of what taps declare: capabilities, providers, MCP server specs.
+
+The loader (:mod:`capd.taps`) builds these; everything downstream (index, router,
+sessions, API) reads them and never re-parses TOML.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+Severity = Literal["error", "warning", "info"]
+CapabilityKind = Literal["mcp", "toolchain", "routing-only"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding about a tap: a load error that skipped something, or a lint note."""
+
+    severity: Severity
+    file: str
+    reason: str
+    line: int | None = None
+    capability: str | None = None
+    code: str = "invalid"
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "severity": self.severity,
+            "code": self.code,
+            "file": self.file,
+            "line": self.line,
+            "capability": self.capability,
+            "reason": self.reason,
+        }
+
+    def __str__(self) -> str:
+        where = f"{self.file}: line {self.line}" if self.line is not None else self.file
+        return f"{where}: {self.severity}: {self.reason} [{self.code}]"
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """An ``[[mcp.servers]]`` entry, kept verbatim (``{{ENV:…}}`` placeholders unresolved)."""
+
+    name: str
+    type: str
+    spec: Mapping[str, Any] = field(compare=False, repr=False)
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any]) -> ServerSpec:
+        return cls(name=str(table["name"]), type=str(table.get("type", "stdio")), spec=_freeze(dict(table)))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The spec as a plan carries it: name, type, command, args, url, timeout_seconds, …"""
+        out: dict[str, Any] = {"name": self.name, "type": self.type, "command": None, "args": [], "url": None,
+                               "timeout_seconds": None}
+        out.update(_thaw(self.spec))
+        return out
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One provider file of a capability (``postgres.toml``, or ``default.toml`` itself)."""
+
+    name: str
+    path: Path
+    title: str | None
+    description: str | None
+    requires: tuple[str, ...]
+    server_refs: tuple[str, ...]
+    allowed_tools: tuple[str, ...]
+    servers: tuple[ServerSpec, ...]
+    digest: str  # sha256 of the file's bytes
+
+
+def tools_for_server(allowed_tools: tuple[str, ...], server: str) -> tuple[str, ...]:
+    """Resolve ``allowed_tools`` for one server: strip ``server:`` prefixes, drop other servers' patterns.
+
+    Unscoped names (no ``:``) apply to every server. ``*`` means all tools. An empty
+    ``allowed_tools`` list means all tools, as in octomind.
+    """
+    if not allowed_tools:
+        return ("*",)
+    tools: list[str] = []
+    for pattern in allowed_tools:
+        scope, sep, tool = pattern.partition(":")
+        if not sep:
+            tools.append(pattern)
+        elif scope == server:
+            tools.append(tool or "*")
+    if "*" in tools:
+        return ("*",)
+    return tuple(dict.fromkeys(tools))
+
+
+def tool_allowed(tools: tuple[str, ...], tool: str) -> bool:
+    return "*" in tools or tool in tools
+
+
+@dataclass(frozen=True)
+class Capability:
+    """A capability: trigger phrases to route on and, usually, MCP servers to start."""
+
+    name: str
+    tap: Path
+    path: Path
+    triggers: tuple[str, ...]
+    domains: tuple[str, ...] = ()
+    description: str | None = None
+    provider: Provider | None = None
+    providers: tuple[Provider, ...] = ()
+    fingerprint: str = ""
+
+    @property
+    def kind(self) -> CapabilityKind:
+        if self.provider is None or (not self.provider.servers and not self.provider.server_refs
+                                     and not self.provider.requires):
+            return "routing-only"
+        if not self.provider.servers and not self.provider.server_refs:
+            return "toolchain"
+        return "mcp"
+
+    @property
+    def title(self) -> str | None:
+        return self.provider.title if self.provider else None
+
+    @property
+    def servers(self) -> tuple[ServerSpec, ...]:
+        """The servers this capability starts: those named by ``server_refs`` (or all defined, if none are named)."""
+        if self.provider is None:
+            return ()
+        defined = {s.name: s for s in self.provider.servers}
+        refs = self.provider.server_refs or tuple(defined)
+        return tuple(defined.get(ref) or ServerSpec(name=ref, type="unresolved", spec=MappingProxyType({}))
+                     for ref in refs)
+
+    @property
+    def server_tools(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """``(server, allowed tool names or "*")`` for each server the capability starts."""
+        allowed = self.provider.allowed_tools if self.provider else ()
+        return tuple((s.name, tools_for_server(allowed, s.name)) for s in self.servers)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "title": self.title,
+            "description": self.description or (self.provider.description if self.provider else None),
+            "domains": list(self.domains),
+            "triggers": len(self.triggers),
+            "servers": [name for name, _ in self.server_tools],
+            "tap": str(self.tap),
+        }
+
+
+def fingerprint(name: str, triggers: tuple[str, ...], description: str | None, domains: tuple[str, ...],
+                provider: Provider | None) -> str:
+    """Content hash of everything that defines a capability; changes iff a file's meaning changes."""
+    payload = json.dumps(
+        {
+            "name": name,
+            "triggers": list(triggers),
+            "description": description,
+            "domains": list(domains),
+            "provider": provider.digest if provider else None,
+        },
+        sort_keys=True,
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class TapConfig:
+    """``<tap>/capd.toml``: per-tap gate overrides written by ``capd calibrate --write``."""
+
+    path: Path
+    gates: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    model: str | None = None  # the model the gates were calibrated for; other models ignore them
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """All capabilities of the configured taps, in precedence order, plus what failed to load."""
+
+    taps: tuple[Path, ...]
+    capabilities: Mapping[str, Capability]
+    problems: tuple[Problem, ...] = ()
+    tap_configs: Mapping[Path, TapConfig] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __iter__(self) -> Iterator[Capability]:
+        return iter(self.capabilities.values())
+
+    def __len__(self) -> int:
+        return len(self.capabilities)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.capabilities
+
+    def get(self, name: str) -> Capability | None:
+        return self.capabilities.get(name)
+
+    @property
+    def errors(self) -> tuple[Problem, ...]:
+        return tuple(p for p in self.problems if p.severity == "error")
+
+    @property
+    def trigger_count(self) -> int:
+        return sum(len(c.triggers) for c in self)
+
+    def gates_for(self, capability: Capability) -> Mapping[str, float]:
+        config = self.tap_configs.get(capability.tap)
+        return config.gates if config else MappingProxyType({})

@@ -1,0 +1,21 @@
+"""The ``capd`` command line. Each command family lives in its own module."""
+
+from __future__ import annotations
+
+import click
+
+from capd import __version__
+from capd.cli.common import CapdGroup
+from capd.cli.tap_cmds import lint
+
+
+@click.group(cls=CapdGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="capd")
+def main() -> None:
+    """capd: a local capability router for AI agents.
+
+    Exit codes: 0 ok, 1 error or below a floor, 2 usage, 3 daemon unreachable.
+    """
+
+
+main.add_command(lint)

@@ -1,0 +1,44 @@
+"""Commands that read taps without a model: ``capd lint``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from capd.cli.common import EXIT_ERROR, build_settings, emit_json, settings_options
+from capd.lint import lint_catalog, summarise
+from capd.taps import load_catalog
+
+
+@click.command()
+@click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=click.Path(path_type=Path))
+@settings_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--embeddings/--no-embeddings", default=False,
+              help="Also check near-duplicate triggers across capabilities with the model.")
+def lint(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...], data_dir: Path | None,
+         model: str | None, backend: str | None, as_json: bool, embeddings: bool) -> None:
+    """Check taps for errors and doubtful triggers; exit 1 on errors.
+
+    Example: capd lint taps/core
+    """
+    settings = build_settings(config, taps=tap_args or taps, data_dir=data_dir, model=model, backend=backend)
+    catalog = load_catalog(settings.taps)
+    problems = lint_catalog(catalog)
+    if embeddings:
+        from capd.lint_embed import near_duplicates
+
+        problems.extend(near_duplicates(catalog, settings))
+    report = summarise(problems, catalog.taps)
+    if as_json:
+        emit_json({**report, "capabilities": len(catalog), "triggers": catalog.trigger_count})
+    else:
+        for problem in problems:
+            click.echo(str(problem), err=problem.severity == "error")
+        counts = report["counts"]
+        assert isinstance(counts, dict)
+        click.echo(f"{len(catalog)} capabilities, {catalog.trigger_count} triggers: "
+                   f"{counts['error']} errors, {counts['warning']} warnings, {counts['info']} notes")
+    if any(p.severity == "error" for p in problems):
+        raise SystemExit(EXIT_ERROR)

@@ -1,0 +1,134 @@
+"""The typed exception family of capd.
+
+Every error capd raises on purpose derives from :class:`CapdError`, so a host
+embedding capd can catch one type. Messages name the file, the key and the fix.
+
+::
+
+    CapdError
+    ├── ConfigError            bad settings: config file, environment or flag
+    ├── TapError               a tap file that cannot be used
+    │   └── TapFileError       one file: path, optional line, reason
+    ├── FixtureError           a routing fixture line or floors file that cannot be used
+    ├── ModelError             the embedding model cannot be used
+    │   ├── ModelNotAvailable  not on this machine (and nothing is downloaded)
+    │   └── WeightsMismatch    sha256 of the weights differs from the manifest
+    ├── CacheError             the vector cache cannot be opened or written
+    ├── StateError             session state cannot be stored or read
+    ├── UnknownCapability      a capability name not in the catalog
+    ├── PinnedCapability       a pinned capability cannot be disabled
+    ├── UnknownSession         a session id with no state
+    ├── InvalidSessionId       a session id that is not 1–128 of [A-Za-z0-9._:-] (also a ValueError)
+    └── ClientError            the HTTP client could not get an answer
+        └── DaemonUnreachable  no daemon listening where the client looked
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CapdError(Exception):
+    """Base class of every error capd raises on purpose."""
+
+
+class ConfigError(CapdError):
+    """A setting is invalid; the message names its source, key and reason."""
+
+    def __init__(self, source: str, key: str | None, reason: str) -> None:
+        self.source = source
+        self.key = key
+        self.reason = reason
+        where = f"{source}: {key}" if key else source
+        super().__init__(f"{where}: {reason}")
+
+
+class TapError(CapdError):
+    """A tap (directory of capabilities) cannot be used."""
+
+
+class TapFileError(TapError):
+    """One file in a tap is broken. Carries the path, the line when known, and why."""
+
+    def __init__(self, path: Path | str, reason: str, line: int | None = None) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        self.line = line
+        where = f"{self.path}: line {line}" if line is not None else str(self.path)
+        super().__init__(f"{where}: {reason}")
+
+    def as_dict(self) -> dict[str, object]:
+        return {"file": str(self.path), "line": self.line, "reason": self.reason}
+
+
+class FixtureError(CapdError):
+    """A fixture file or a floors file cannot be used."""
+
+    def __init__(self, path: Path | str, reason: str, line: int | None = None) -> None:
+        self.path = Path(path)
+        self.line = line
+        self.reason = reason
+        where = f"{self.path}: line {line}" if line is not None else str(self.path)
+        super().__init__(f"{where}: {reason}")
+
+
+class ModelError(CapdError):
+    """The embedding model cannot be used."""
+
+
+class ModelNotAvailable(ModelError):
+    """The model is not on this machine; capd never downloads one at run time."""
+
+
+class WeightsMismatch(ModelError):
+    """The weights on disk are not the ones the manifest pins."""
+
+
+class CacheError(CapdError):
+    """The vector cache cannot be opened or written."""
+
+
+class StateError(CapdError):
+    """Session state cannot be stored or read."""
+
+
+class UnknownCapability(CapdError):
+    """A capability name that the catalog does not hold."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"unknown capability {name!r}")
+
+
+class UnknownSession(CapdError):
+    """A session id with no state."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        super().__init__(f"unknown session {session!r}")
+
+
+class PinnedCapability(CapdError):
+    """A pinned capability (settings ``pinned``) is always active and cannot be disabled."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"capability {name!r} is pinned and cannot be disabled; remove it from the "
+                         "'pinned' setting to make it optional")
+
+
+class InvalidSessionId(CapdError, ValueError):
+    """A session id that is not 1–128 characters of ``[A-Za-z0-9._:-]``."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        shown = session if len(session) <= 40 else session[:40] + "…"
+        super().__init__(f"invalid session id {shown!r}: use 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+
+
+class ClientError(CapdError):
+    """The HTTP client got no usable answer from the daemon."""
+
+
+class DaemonUnreachable(ClientError):
+    """Nothing is listening where the client looked."""

@@ -1,0 +1,111 @@
+"""``capd lint``: everything that is wrong or doubtful in a tap, each with its file and line.
+
+Severities: ``error`` (exit 1: the tap does not work as written), ``warning`` (it works
+but probably not as meant), ``info`` (worth knowing). Checks:
+
+- load errors: unreadable / binary / oversized files, invalid TOML, schema errors,
+  dangling or escaping symlinks (``default.toml`` pointing nowhere);
+- ``server_refs`` naming a server no ``[[mcp.servers]]`` defines (error);
+- ``allowed_tools`` scoped to a server the capability does not use (warning);
+- no triggers (warning: never auto-routed, can still be enabled by name);
+- triggers shorter than ``MIN_TRIGGER_CHARS`` non-space characters (warning: the router
+  skips messages that short, so such a trigger can only match longer paraphrases);
+- the same trigger twice in one capability (warning) or in two capabilities (error: one
+  phrase cannot route to two places);
+- a capability name defined in two taps (warning: the earlier tap wins);
+- routing-only capabilities (info: no provider, plans carry no servers);
+- with an encoder: near-duplicate triggers across capabilities (see :mod:`capd.lint_embed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from capd.catalog import Capability, Catalog, Problem
+from capd.taps import _line_of
+
+MIN_TRIGGER_CHARS = 8
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _trigger_line(capability: Capability, trigger: str) -> int | None:
+    config = capability.path / "config.toml"
+    try:
+        text = config.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if trigger in line:
+            return number
+    return _line_of(text, "triggers")
+
+
+def _check_provider(capability: Capability) -> Iterable[Problem]:
+    provider = capability.provider
+    if provider is None:
+        yield Problem("info", str(capability.path), "routing-only capability: no provider, plans carry no servers",
+                      capability=capability.name, code="routing-only")
+        return
+    defined = {s.name for s in provider.servers}
+    text = provider.path.read_text(encoding="utf-8", errors="replace")
+    for ref in provider.server_refs:
+        if ref not in defined:
+            yield Problem("error", str(provider.path), f"server_refs names {ref!r}, but no [[mcp.servers]] entry "
+                          "has that name", _line_of(text, "server_refs"), capability.name, "unknown-server-ref")
+    used = set(provider.server_refs) or defined
+    for pattern in provider.allowed_tools:
+        scope, sep, _ = pattern.partition(":")
+        if sep and scope not in used:
+            yield Problem("warning", str(provider.path), f"allowed_tools entry {pattern!r} names server {scope!r}, "
+                          "which this capability does not start; it is ignored", _line_of(text, "allowed_tools"),
+                          capability.name, "unknown-tool-server")
+
+
+def _check_triggers(capability: Capability) -> Iterable[Problem]:
+    config = str(capability.path / "config.toml")
+    if not capability.triggers:
+        yield Problem("warning", config, "no triggers: never auto-activated (it can still be enabled by name)",
+                      capability=capability.name, code="no-triggers")
+        return
+    seen: set[str] = set()
+    for trigger in capability.triggers:
+        if len("".join(trigger.split())) < MIN_TRIGGER_CHARS:
+            yield Problem("warning", config, f"trigger {trigger!r} is shorter than {MIN_TRIGGER_CHARS} characters",
+                          _trigger_line(capability, trigger), capability.name, "short-trigger")
+        key = _normal(trigger)
+        if key in seen:
+            yield Problem("warning", config, f"trigger {trigger!r} appears twice", _trigger_line(capability, trigger),
+                          capability.name, "duplicate-trigger")
+        seen.add(key)
+
+
+def _cross_duplicates(catalog: Catalog) -> Iterable[Problem]:
+    owner: dict[str, Capability] = {}
+    for capability in catalog:
+        for trigger in dict.fromkeys(_normal(t) for t in capability.triggers):
+            first = owner.setdefault(trigger, capability)
+            if first is not capability:
+                yield Problem("error", str(capability.path / "config.toml"),
+                              f"trigger {trigger!r} is also a trigger of {first.name!r}; one phrase cannot route "
+                              "to two capabilities", _trigger_line(capability, trigger), capability.name,
+                              "shared-trigger")
+
+
+def lint_catalog(catalog: Catalog) -> list[Problem]:
+    """All static findings for a loaded catalog (load problems included), errors first."""
+    problems = list(catalog.problems)
+    for capability in catalog:
+        problems.extend(_check_provider(capability))
+        problems.extend(_check_triggers(capability))
+    problems.extend(_cross_duplicates(catalog))
+    order = {"error": 0, "warning": 1, "info": 2}
+    return sorted(problems, key=lambda p: (order[p.severity], p.file, p.line or 0))
+
+
+def summarise(problems: list[Problem], taps: Iterable[Path]) -> dict[str, object]:
+    counts = {s: sum(1 for p in problems if p.severity == s) for s in ("error", "warning", "info")}
+    return {"taps": [str(t) for t in taps], "counts": counts, "problems": [p.as_dict() for p in problems]}

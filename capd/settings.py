@@ -1,0 +1,271 @@
+"""One frozen :class:`Settings`, built once and passed down.
+
+Precedence, highest first: CLI flags > ``CAPD_*`` environment > config file
+(``--config``, ``CAPD_CONFIG``, else ``~/.config/capd/config.toml``) > defaults.
+This is the only module that reads ``os.environ``; everything else receives
+a ``Settings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from capd.errors import ConfigError
+
+DEFAULT_MODEL = "all-minilm-l6-v2"
+BACKENDS = ("auto", "onnx", "torch")
+RULES = ("capd", "anchor")
+
+
+def package_root() -> Path:
+    """The directory that holds capd's shipped ``taps/`` and ``models/``.
+
+    In a wheel they are packaged under ``capd/_data``; in a source checkout
+    (editable install) they sit next to the ``capd`` package.
+    """
+    here = Path(__file__).resolve().parent
+    bundled = here / "_data"
+    return bundled if bundled.is_dir() else here.parent
+
+
+def shipped_taps_dir() -> Path:
+    return package_root() / "taps"
+
+
+def shipped_models_dir() -> Path:
+    return package_root() / "models"
+
+
+def default_taps() -> tuple[Path, ...]:
+    root = shipped_taps_dir()
+    if not root.is_dir():
+        return ()
+    return tuple(sorted(p for p in root.iterdir() if (p / "capabilities").is_dir()))
+
+
+def default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("capd", appauthor=False))
+
+
+def default_config_path() -> Path:
+    return Path(platformdirs.user_config_dir("capd", appauthor=False, roaming=False)) / "config.toml"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything configurable about capd. Immutable: build a new one to change it."""
+
+    host: str = "127.0.0.1"
+    port: int = 7171
+    taps: tuple[Path, ...] = field(default_factory=default_taps)
+    data_dir: Path = field(default_factory=default_data_dir)
+    model: str = DEFAULT_MODEL
+    models_dir: Path = field(default_factory=shipped_models_dir)
+    backend: str = "auto"
+    rule: str = "capd"
+    threshold: float | None = None
+    margin: float | None = None
+    top_k: int | None = None
+    max_active: int = 4
+    min_chars: int = 8
+    pinned: tuple[str, ...] = ()
+    session_ttl: float = 24 * 3600.0
+    token: str | None = None
+    uds: Path | None = None
+    log_level: str = "info"
+    config_file: Path | None = None
+
+    def public_dict(self) -> dict[str, Any]:
+        """A JSON-ready view with the token masked."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "token":
+                value = "***" if value else None
+            elif isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, tuple):
+                value = [str(v) for v in value]
+            out[f.name] = value
+        return out
+
+
+def _as_paths(value: object) -> tuple[Path, ...]:
+    if isinstance(value, str):
+        parts = [p for p in value.split(os.pathsep) if p]
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, Path)) for v in value):
+        parts = [str(v) for v in value]
+    else:
+        raise ValueError("must be a path or a list of paths")
+    return tuple(Path(p).expanduser() for p in parts)
+
+
+def _as_names(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError("must be a list of names")
+
+
+def _as_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError("must be an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError("must be an integer") from None
+
+
+def _as_float(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("must be a number")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError("must be a number") from None
+
+
+def _as_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+def _as_path(value: object) -> Path:
+    return Path(_as_str(value)).expanduser()
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[object], str]:
+    def convert(value: object) -> str:
+        text = _as_str(value).lower()
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return text
+
+    return convert
+
+
+def _positive_int(value: object) -> int:
+    number = _as_int(value)
+    if number < 1:
+        raise ValueError("must be at least 1")
+    return number
+
+
+def _port(value: object) -> int:
+    number = _as_int(value)
+    if not 0 <= number <= 65535:
+        raise ValueError("must be between 0 and 65535")
+    return number
+
+
+def _unit_float(value: object) -> float:
+    number = _as_float(value)
+    if not -1.0 <= number <= 1.0:
+        raise ValueError("must be between -1 and 1")
+    return number
+
+
+_CONVERTERS: dict[str, Callable[[object], object]] = {
+    "host": _as_str,
+    "port": _port,
+    "taps": _as_paths,
+    "data_dir": _as_path,
+    "model": _as_str,
+    "models_dir": _as_path,
+    "backend": _choice(BACKENDS),
+    "rule": _choice(RULES),
+    "threshold": _unit_float,
+    "margin": _unit_float,
+    "top_k": _positive_int,
+    "max_active": _positive_int,
+    "min_chars": _as_int,
+    "pinned": _as_names,
+    "session_ttl": _as_float,
+    "token": _as_str,
+    "uds": _as_path,
+    "log_level": _choice(("debug", "info", "warning", "error")),
+}
+
+# Environment variable -> setting. DESIGN.md fixes CAPD_TAPS, HOST, PORT, DATA_DIR, CONFIG, MODEL, TOKEN.
+ENV_VARS: dict[str, str] = {f"CAPD_{name.upper()}": name for name in _CONVERTERS}
+
+
+def _convert(source: str, key: str, value: object) -> object:
+    try:
+        return _CONVERTERS[key](value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(source, key, f"{exc} (got {value!r})") from None
+
+
+def read_config_file(path: Path) -> dict[str, object]:
+    """Read a config file's settings; unknown keys and bad values are errors naming the key."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(str(path), None, "config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), None, f"cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), None, f"invalid TOML: {exc}") from None
+    table = raw.get("capd", raw)
+    if not isinstance(table, dict):
+        raise ConfigError(str(path), "capd", "must be a table")
+    out: dict[str, object] = {}
+    for key, value in table.items():
+        if key not in _CONVERTERS:
+            known = ", ".join(sorted(_CONVERTERS))
+            raise ConfigError(str(path), key, f"unknown setting (known: {known})")
+        if key in ("taps", "data_dir", "models_dir", "uds"):
+            # Relative paths in a config file are relative to the file, not the cwd.
+            value = _resolve_relative(path.parent, value)
+        out[key] = _convert(str(path), key, value)
+    return out
+
+
+def _resolve_relative(base: Path, value: object) -> object:
+    if isinstance(value, str):
+        return str(base / Path(value).expanduser()) if not Path(value).expanduser().is_absolute() else value
+    if isinstance(value, list):
+        return [_resolve_relative(base, v) for v in value]
+    return value
+
+
+def load_settings(
+    flags: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+    config: Path | None = None,
+) -> Settings:
+    """Build the one ``Settings``: flags > environment > config file > defaults.
+
+    ``flags`` holds only options the user gave (``None`` values are ignored).
+    ``env`` defaults to ``os.environ``. ``config`` is ``--config``; without it
+    ``CAPD_CONFIG`` and then the user config path are tried (the latter only if it exists).
+    """
+    environ = os.environ if env is None else env
+    given = {k: v for k, v in (flags or {}).items() if v is not None and v != ()}
+    explicit = config or (Path(environ["CAPD_CONFIG"]).expanduser() if environ.get("CAPD_CONFIG") else None)
+    config_path = explicit or default_config_path()
+    values: dict[str, object] = {}
+    if explicit is not None or config_path.is_file():
+        values.update(read_config_file(config_path))
+    for var, key in ENV_VARS.items():
+        if var in environ and var != "CAPD_CONFIG":
+            values[key] = _convert(f"environment {var}", key, environ[var])
+    for key, value in given.items():
+        if key not in _CONVERTERS:
+            raise ConfigError("flags", key, "unknown setting")
+        values[key] = _convert(f"--{key.replace('_', '-')}", key, value)
+    if values.get("token") == "":
+        values["token"] = None
+    chosen = config_path if (explicit is not None or config_path.is_file()) else None
+    return Settings(**values, config_file=chosen)  # type: ignore[arg-type]

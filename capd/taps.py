@@ -1,0 +1,336 @@
+"""Load taps (directories of capability TOML files) into a :class:`~capd.catalog.Catalog`.
+
+Reads existing octomind taps unchanged::
+
+    <tap>/capabilities/<name>/config.toml      triggers, domains, description (all optional)
+    <tap>/capabilities/<name>/<provider>.toml  [deps], [roles.mcp], [[mcp.servers]]
+    <tap>/capabilities/<name>/default.toml     symlink to a provider file, or a provider itself
+    <tap>/capd.toml                            capd's per-tap gates (written by ``capd calibrate``)
+
+Decisions where octomind is silent:
+
+- no ``config.toml`` (or no triggers): the capability loads but is never auto-routed; it
+  can still be enabled by name (lint warns);
+- no ``default.toml`` and exactly one provider file: that provider is the default; with
+  several, the first by name is used and lint warns;
+- any file of a capability that cannot be read, parsed or validated skips that
+  capability only, with a :class:`~capd.catalog.Problem` naming the file and line;
+- symlinks must stay inside the tap; files over 1 MiB, binary files and dangling links
+  are errors. capd never writes into a tap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from capd.catalog import Capability, Catalog, Problem, Provider, ServerSpec, TapConfig, fingerprint
+from capd.errors import TapFileError
+
+log = logging.getLogger(__name__)
+
+MAX_FILE_BYTES = 1 << 20
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+TAP_CONFIG = "capd.toml"
+GATE_KEYS = ("threshold", "margin", "top_k")
+_TOML_POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
+_HEADER = re.compile(r"^#\s*(Title|Description)\s*:\s*(.*?)\s*$")
+
+
+def read_tap_file(path: Path, root: Path) -> bytes:
+    """Read one tap file with the guards every tap file gets; raises :class:`TapFileError`."""
+    if path.is_symlink():
+        target = path.resolve()
+        if not target.exists():
+            raise TapFileError(path, f"symlink points to {os.readlink(path)!r}, which does not exist")
+        if not target.is_relative_to(root.resolve()):
+            raise TapFileError(path, f"symlink points outside the tap ({target})")
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise TapFileError(path, f"file is {size} bytes; tap files are limited to {MAX_FILE_BYTES} bytes")
+        data = path.read_bytes()
+    except PermissionError:
+        raise TapFileError(path, "cannot read: permission denied") from None
+    except IsADirectoryError:
+        raise TapFileError(path, "is a directory, expected a TOML file") from None
+    except OSError as exc:
+        raise TapFileError(path, f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise TapFileError(path, f"file is over {MAX_FILE_BYTES} bytes")
+    if b"\x00" in data:
+        raise TapFileError(path, "binary file (contains NUL bytes), expected TOML text")
+    return data
+
+
+def parse_toml(path: Path, root: Path) -> tuple[dict[str, Any], str, bytes]:
+    """Parse a tap TOML file; returns (table, text, raw bytes). Errors carry the line."""
+    data = read_tap_file(path, root)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise TapFileError(path, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", line) from None
+    try:
+        return tomllib.loads(text), text, data
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        match = _TOML_POS.search(message)
+        where = int(match.group(1)) if match else None
+        reason = _TOML_POS.sub("", message)
+        raise TapFileError(path, f"invalid TOML: {reason}", where) from None
+
+
+def _line_of(text: str, key: str) -> int | None:
+    """Best-effort line of ``key = …`` or ``[key]`` so schema errors point somewhere useful."""
+    pattern = re.compile(rf"^\s*(\[\[?\s*{re.escape(key)}\s*\]\]?|[\"']?{re.escape(key)}[\"']?\s*=)", re.M)
+    match = pattern.search(text)
+    return text.count("\n", 0, match.start()) + 1 if match else None
+
+
+class _Checker:
+    """Schema checks for one parsed file; each failure raises a TapFileError with a line."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self.path = path
+        self.text = text
+
+    def fail(self, key: str, reason: str) -> TapFileError:
+        return TapFileError(self.path, f"{key} {reason}", _line_of(self.text, key.split(".")[-1]))
+
+    def table(self, parent: Mapping[str, Any], key: str, label: str | None = None) -> Mapping[str, Any]:
+        value = parent.get(key, {})
+        if not isinstance(value, dict):
+            raise self.fail(label or key, "must be a table")
+        return value
+
+    def strings(self, parent: Mapping[str, Any], key: str, label: str | None = None) -> tuple[str, ...]:
+        value = parent.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.fail(label or key, "must be a list of strings")
+        return tuple(value)
+
+    def optional_str(self, parent: Mapping[str, Any], key: str, label: str | None = None) -> str | None:
+        value = parent.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self.fail(label or key, "must be a string")
+        return value
+
+
+def _header(text: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            break
+        match = _HEADER.match(stripped)
+        if match and match.group(2):
+            found.setdefault(match.group(1).lower(), match.group(2))
+    return found
+
+
+def _server(check: _Checker, index: int, table: object) -> ServerSpec:
+    label = f"mcp.servers[{index}]"
+    if not isinstance(table, dict):
+        raise check.fail("mcp.servers", f"entry {index} must be a table")
+    if not isinstance(table.get("name"), str) or not table["name"]:
+        raise check.fail("mcp.servers", f"entry {index} needs a non-empty string 'name'")
+    for key in ("type", "command", "url"):
+        check.optional_str(table, key, f"{label}.{key}")
+    check.strings(table, "args", f"{label}.args")
+    check.strings(table, "tools", f"{label}.tools")
+    timeout = table.get("timeout_seconds")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise check.fail(f"{label}.timeout_seconds", "must be a positive number")
+    env = table.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise check.fail(f"{label}.env", "must be a table of strings")
+    return ServerSpec.from_table(table)
+
+
+def load_provider(path: Path, root: Path, name: str | None = None) -> Provider:
+    """Parse and validate one provider file."""
+    table, text, data = parse_toml(path, root)
+    check = _Checker(path, text)
+    deps = check.table(table, "deps")
+    roles = check.table(table, "roles")
+    mcp_role = check.table(roles, "mcp", "roles.mcp")
+    mcp = check.table(table, "mcp")
+    servers_raw = mcp.get("servers", [])
+    if not isinstance(servers_raw, list):
+        raise check.fail("mcp.servers", "must be an array of tables ([[mcp.servers]])")
+    servers = tuple(_server(check, i, s) for i, s in enumerate(servers_raw))
+    header = _header(text)
+    return Provider(
+        name=name or path.stem,
+        path=path,
+        title=header.get("title"),
+        description=header.get("description"),
+        requires=check.strings(deps, "require", "deps.require"),
+        server_refs=check.strings(mcp_role, "server_refs", "roles.mcp.server_refs"),
+        allowed_tools=check.strings(mcp_role, "allowed_tools", "roles.mcp.allowed_tools"),
+        servers=servers,
+        digest=hashlib.sha256(data).hexdigest(),
+    )
+
+
+def _load_config(path: Path, root: Path) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
+    table, text, _ = parse_toml(path, root)
+    check = _Checker(path, text)
+    triggers = check.strings(table, "triggers")
+    for trigger in triggers:
+        if not trigger.strip():
+            raise TapFileError(path, "triggers must not contain empty strings", _line_of(text, "triggers"))
+    domains = check.strings(table, "domains")
+    description = check.optional_str(table, "description")
+    return tuple(t.strip() for t in triggers), domains, description
+
+
+def _pick_default(directory: Path, root: Path, providers: dict[str, Provider],
+                  problems: list[Problem], name: str) -> Provider | None:
+    default = directory / "default.toml"
+    if default.is_symlink():
+        target = default.resolve()
+        read_tap_file(default, root)  # raises for dangling or escaping links
+        for provider in providers.values():
+            if provider.path.resolve() == target:
+                return provider
+        return load_provider(target, root)
+    if default.exists():
+        return load_provider(default, root, name="default")
+    if not providers:
+        return None
+    chosen = sorted(providers)[0]
+    if len(providers) > 1:
+        problems.append(Problem("warning", str(directory), f"no default.toml; using {chosen}.toml of "
+                                f"{len(providers)} providers", capability=name, code="no-default"))
+    return providers[chosen]
+
+
+def load_capability(tap: Path, directory: Path) -> tuple[Capability | None, list[Problem]]:
+    """Load one capability folder. Returns (capability or None if skipped, problems)."""
+    name = directory.name
+    problems: list[Problem] = []
+    if not NAME_RE.match(name):
+        problems.append(Problem("error", str(directory), "capability names must match [A-Za-z0-9][A-Za-z0-9._-]*",
+                                capability=name, code="bad-name"))
+        return None, problems
+    try:
+        config = directory / "config.toml"
+        triggers: tuple[str, ...] = ()
+        domains: tuple[str, ...] = ()
+        description: str | None = None
+        if config.exists() or config.is_symlink():
+            triggers, domains, description = _load_config(config, tap)
+        providers: dict[str, Provider] = {}
+        for path in sorted(directory.glob("*.toml")):
+            if path.name in ("config.toml", "default.toml"):
+                continue
+            providers[path.stem] = load_provider(path, tap)
+        default = _pick_default(directory, tap, providers, problems, name)
+    except TapFileError as exc:
+        problems.append(Problem("error", str(exc.path), exc.reason, exc.line, capability=name, code="invalid"))
+        return None, problems
+    all_providers = tuple(providers.values())
+    if default is not None and default not in all_providers:
+        all_providers = (default, *all_providers)
+    capability = Capability(
+        name=name,
+        tap=tap,
+        path=directory,
+        triggers=triggers,
+        domains=domains,
+        description=description,
+        provider=default,
+        providers=all_providers,
+        fingerprint=fingerprint(name, triggers, description, domains, default),
+    )
+    return capability, problems
+
+
+def load_tap_config(tap: Path) -> tuple[TapConfig | None, list[Problem]]:
+    path = tap / TAP_CONFIG
+    if not path.exists():
+        return None, []
+    try:
+        table, text, _ = parse_toml(path, tap)
+        check = _Checker(path, text)
+        gates_raw = check.table(table, "gates")
+        gates: dict[str, float] = {}
+        for key, value in gates_raw.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise check.fail(f"gates.{key}", "must be a number")
+            if key not in GATE_KEYS:
+                raise check.fail(f"gates.{key}", f"is not a gate (known: {', '.join(GATE_KEYS)})")
+            gates[key] = float(value)
+        model = check.optional_str(table, "model")
+    except TapFileError as exc:
+        return None, [Problem("error", str(exc.path), exc.reason, exc.line, code="invalid")]
+    return TapConfig(path=path, gates=MappingProxyType(gates), model=model), []
+
+
+def capability_dirs(tap: Path) -> list[Path]:
+    root = tap / "capabilities"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def load_tap(tap: Path) -> TapLoad:
+    """Load every capability of one tap; broken ones are reported and skipped."""
+    problems: list[Problem] = []
+    if not tap.is_dir():
+        return [], [Problem("error", str(tap), "tap directory does not exist", code="missing-tap")], None
+    if not (tap / "capabilities").is_dir():
+        problems.append(Problem("error", str(tap), "not a tap: no capabilities/ directory", code="missing-tap"))
+        return [], problems, None
+    capabilities: list[Capability] = []
+    for directory in capability_dirs(tap):
+        capability, found = load_capability(tap, directory)
+        problems.extend(found)
+        if capability is not None:
+            capabilities.append(capability)
+    config, found = load_tap_config(tap)
+    problems.extend(found)
+    return capabilities, problems, config
+
+
+TapLoad = tuple[list[Capability], list[Problem], TapConfig | None]
+
+
+def assemble(taps: Sequence[Path], loaded: Iterable[TapLoad]) -> Catalog:
+    """Merge per-tap loads in precedence order: a name defined twice keeps the first."""
+    capabilities: dict[str, Capability] = {}
+    problems: list[Problem] = []
+    configs: dict[Path, TapConfig] = {}
+    for capabilities_of_tap, found, config in loaded:
+        problems.extend(found)
+        if config is not None:
+            configs[config.path.parent] = config
+        for capability in capabilities_of_tap:
+            first = capabilities.get(capability.name)
+            if first is not None:
+                problems.append(Problem("warning", str(capability.path),
+                                        f"capability {capability.name!r} is also defined in {first.tap}; "
+                                        "that one wins (earlier tap)", capability=capability.name,
+                                        code="duplicate-name"))
+                continue
+            capabilities[capability.name] = capability
+    return Catalog(taps=tuple(taps), capabilities=MappingProxyType(capabilities), problems=tuple(problems),
+                   tap_configs=MappingProxyType(configs))
+
+
+def load_catalog(taps: Sequence[Path]) -> Catalog:
+    """Load all taps; order is precedence."""
+    resolved = [Path(t).expanduser().absolute() for t in taps]
+    catalog = assemble(resolved, (load_tap(t) for t in resolved))
+    for problem in catalog.errors:
+        log.warning("tap problem: %s", problem)
+    return catalog

@@ -1,0 +1,59 @@
+"""Message cleaning before routing: strip ``<tag …>…</tag>`` blocks, measure what is left.
+
+Agents wrap injected context in XML-ish tags (``<system-reminder>``, ``<context>``);
+those blocks say nothing about the user's intent, so whole blocks are removed:
+
+- a block is an opening tag ``<name attr="…">`` and the matching ``</name>``, across lines,
+  nested blocks included (the outermost matched block is removed whole);
+- a self-closing ``<name/>`` is removed;
+- an opening tag that is never closed, a stray closing tag, and comparisons such as
+  ``a < b`` stay as text.
+"""
+
+from __future__ import annotations
+
+import re
+
+_TAG = re.compile(r"<(/?)([A-Za-z][\w.:-]*)((?:\s+[^<>]*?)?)\s*(/?)>")
+
+
+def strip_tags(message: str) -> str:
+    """Remove whole ``<tag>…</tag>`` blocks (and self-closing tags); keep everything else."""
+    spans: list[tuple[int, int]] = []
+    stack: list[tuple[str, int]] = []
+    for match in _TAG.finditer(message):
+        closing, name, _, self_closing = match.group(1), match.group(2), match.group(3), match.group(4)
+        if self_closing and not closing:
+            spans.append((match.start(), match.end()))
+        elif not closing:
+            stack.append((name, match.start()))
+        else:
+            for depth in range(len(stack) - 1, -1, -1):
+                if stack[depth][0] == name:
+                    spans.append((stack[depth][1], match.end()))
+                    del stack[depth:]
+                    break
+    if not spans:
+        return message
+    spans.sort()
+    kept: list[str] = []
+    position = 0
+    for start, end in spans:
+        if start >= position:
+            kept.append(message[position:start])
+            position = end
+        elif end > position:  # overlapping with an earlier removed block: extend it
+            position = end
+    kept.append(message[position:])
+    return "".join(kept).strip()
+
+
+def content_chars(text: str) -> int:
+    """Non-whitespace characters: the measure of the short-input gate."""
+    return sum(1 for ch in text if not ch.isspace())
+
+
+def clean_message(message: str, min_chars: int) -> tuple[str, bool]:
+    """Return (text to route on, long enough to route)."""
+    text = strip_tags(message)
+    return text, content_chars(text) >= min_chars

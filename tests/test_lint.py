@@ -1,0 +1,87 @@
+"""`capd lint`: each problem with its file and line, exit 1 on errors, 0 with only warnings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from capd.cli import main
+from capd.settings import default_taps
+from tests.taputil import POSTGRES_PROVIDER, octomind_tap, write_capability
+
+
+def _lint(*args: str) -> tuple[int, dict[str, object]]:
+    result = CliRunner().invoke(main, ["lint", "--json", *args])
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_clean_tap_exits_zero(tmp_path: Path) -> None:
+    code, report = _lint(str(octomind_tap(tmp_path)))
+    assert code == 0
+    counts = report["counts"]
+    assert isinstance(counts, dict) and counts["error"] == 0
+    problems = report["problems"]
+    assert isinstance(problems, list)
+    assert [p["code"] for p in problems] == ["routing-only"]
+
+
+def test_warnings_only_exit_zero(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    write_capability(tap, "dupes", ["same trigger here", "same trigger here", "tiny"])
+    write_capability(tap, "manual-only", None, {"p": POSTGRES_PROVIDER})
+    code, report = _lint(str(tap))
+    assert code == 0
+    codes = {p["code"] for p in report["problems"]}  # type: ignore[union-attr]
+    assert {"duplicate-trigger", "short-trigger", "no-triggers"} <= codes
+
+
+def test_broken_tap_lists_every_problem_with_file_and_line(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    write_capability(tap, "bad-toml", None)
+    (tap / "capabilities" / "bad-toml" / "config.toml").write_text('triggers = ["a",\n"b" "c"]\n')
+    write_capability(tap, "bad-ref", ["a capability with a bad ref"],
+                     {"p": POSTGRES_PROVIDER.replace('server_refs = ["postgres"]', 'server_refs = ["pg"]')
+                      .replace('allowed_tools = ["postgres:*"]', 'allowed_tools = ["other:*"]')})
+    write_capability(tap, "shared", ["query a postgres database"])  # same as database-postgres
+    (tap / "capabilities" / "dangling").mkdir()
+    (tap / "capabilities" / "dangling" / "default.toml").symlink_to("nowhere.toml")
+    code, report = _lint(str(tap))
+    assert code == 1
+    problems = {(p["code"], p["capability"]): p for p in report["problems"]}  # type: ignore[union-attr]
+    assert problems[("invalid", "bad-toml")]["line"] == 2
+    ref = problems[("unknown-server-ref", "bad-ref")]
+    assert ref["severity"] == "error" and ref["line"] == 7 and str(ref["file"]).endswith("bad-ref/p.toml")
+    assert problems[("unknown-tool-server", "bad-ref")]["severity"] == "warning"
+    shared = problems[("shared-trigger", "shared")]
+    assert shared["severity"] == "error" and shared["line"] == 2
+    assert "does not exist" in str(problems[("invalid", "dangling")]["reason"])
+
+
+def test_text_output_and_console_script(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    write_capability(tap, "bad-schema", None)
+    (tap / "capabilities" / "bad-schema" / "config.toml").write_text("triggers = 3\n")
+    proc = subprocess.run([sys.executable, "-m", "capd", "lint", str(tap)], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 1
+    assert "bad-schema/config.toml: line 1: error: triggers must be a list of strings" in proc.stderr
+    assert "errors" in proc.stdout
+
+
+def test_usage_error_exits_two() -> None:
+    result = CliRunner().invoke(main, ["lint", "--no-such-flag"])
+    assert result.exit_code == 2
+
+
+def test_shipped_tap_is_lint_clean() -> None:
+    taps = default_taps()
+    assert taps
+    code, report = _lint(*[str(t) for t in taps])
+    assert code == 0, report
+    assert isinstance(report["capabilities"], int) and report["capabilities"] >= 25
+    counts = report["counts"]
+    assert isinstance(counts, dict) and counts["warning"] == 0

@@ -1,0 +1,79 @@
+"""Settings precedence: flags > CAPD_* environment > config file > defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from capd.errors import ConfigError
+from capd.settings import Settings, load_settings
+
+
+def test_defaults(tmp_path: Path) -> None:
+    settings = load_settings(env={})
+    assert settings.host == "127.0.0.1" and settings.port == 7171
+    assert settings.max_active == 4 and settings.min_chars == 8 and settings.token is None
+    assert settings.model == "all-minilm-l6-v2"
+    assert settings.taps, "defaults to the shipped taps"
+
+
+def test_precedence(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('port = 8000\nhost = "127.0.0.2"\nthreshold = 0.5\ntaps = ["rel"]\n')
+    env = {"CAPD_CONFIG": str(config), "CAPD_PORT": "9000", "CAPD_MAX_ACTIVE": "6"}
+    settings = load_settings(flags={"max_active": 2}, env=env)
+    assert settings.port == 9000  # env beats file
+    assert settings.host == "127.0.0.2"  # file beats default
+    assert settings.max_active == 2  # flag beats env
+    assert settings.threshold == 0.5
+    assert settings.taps == (tmp_path / "rel",)  # relative to the config file
+    assert settings.config_file == config
+    flagged = load_settings(flags={"port": 1234}, env=env, config=config)
+    assert flagged.port == 1234
+
+
+def test_taps_env_uses_pathsep(tmp_path: Path) -> None:
+    import os
+
+    settings = load_settings(env={"CAPD_TAPS": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}",
+                                  "CAPD_CONFIG": ""})
+    assert settings.taps == (tmp_path / "a", tmp_path / "b")
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("port = 'many'\n", "port", "must be an integer"),
+        ("colour = 1\n", "colour", "unknown setting"),
+        ("backend = 'gpu'\n", "backend", "must be one of"),
+        ("threshold = 3\n", "threshold", "between -1 and 1"),
+        ("port = [\n", None, "invalid TOML"),
+    ],
+)
+def test_bad_config_names_file_key_reason(tmp_path: Path, text: str, key: str | None, reason: str) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(env={}, config=config)
+    message = str(info.value)
+    assert str(config) in message and reason in message
+    if key:
+        assert info.value.key == key
+
+
+def test_bad_env_value_names_variable() -> None:
+    with pytest.raises(ConfigError, match="environment CAPD_PORT: port: must be"):
+        load_settings(env={"CAPD_PORT": "seventy"})
+
+
+def test_missing_explicit_config() -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_settings(env={}, config=Path("/nonexistent/capd.toml"))
+
+
+def test_settings_are_frozen_and_token_masked() -> None:
+    settings = Settings(token="s3cret")
+    with pytest.raises(AttributeError):
+        settings.port = 1  # type: ignore[misc]
+    assert settings.public_dict()["token"] == "***"

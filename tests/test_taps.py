@@ -1,0 +1,161 @@
+"""Catalog loading: the octomind layout, the shipped tap, and every broken-input case."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from capd.catalog import tools_for_server
+from capd.settings import default_taps
+from capd.taps import MAX_FILE_BYTES, load_catalog
+from tests.taputil import POSTGRES_PROVIDER, octomind_tap, write_capability
+
+
+def test_octomind_layout_loads_unchanged(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    before = {p: p.read_bytes() for p in tap.rglob("*.toml") if not p.is_symlink()}
+    catalog = load_catalog([tap])
+    assert catalog.errors == ()
+    assert set(catalog.capabilities) == {"database-postgres", "filesystem-read", "filesystem-write",
+                                         "python-toolchain", "smalltalk"}
+    pg = catalog.capabilities["database-postgres"]
+    assert pg.kind == "mcp"
+    assert pg.title == "PostgreSQL Database"
+    assert pg.provider is not None and pg.provider.description == "Query and inspect PostgreSQL"
+    assert pg.domains == ("developer", "devops")
+    assert pg.provider.name == "postgres"  # default.toml is a symlink to postgres.toml
+    (server,) = pg.servers
+    spec = server.as_dict()
+    assert spec["command"] == "npx" and spec["timeout_seconds"] == 60
+    assert "{{ENV:POSTGRES_CONNECTION_STRING}}" in spec["args"]  # placeholders stay verbatim
+    assert pg.server_tools == (("postgres", ("*",)),)
+    # a single provider file with no default.toml is the default
+    assert catalog.capabilities["filesystem-read"].server_tools == (("filesystem", ("read_file", "list_directory")),)
+    # default.toml as a full provider file
+    write = catalog.capabilities["filesystem-write"]
+    assert write.provider is not None and write.provider.name == "default"
+    assert write.server_tools == (("filesystem", ("write_file", "edit_file")),)
+    toolchain = catalog.capabilities["python-toolchain"]
+    assert toolchain.kind == "toolchain" and toolchain.servers == ()
+    assert catalog.capabilities["smalltalk"].kind == "routing-only"
+    after = {p: p.read_bytes() for p in tap.rglob("*.toml") if not p.is_symlink()}
+    assert before == after  # nothing written into the tap
+
+
+def test_allowed_tools_resolution() -> None:
+    assert tools_for_server(("playwright:*",), "playwright") == ("*",)
+    assert tools_for_server(("a:x", "b:y", "a:z"), "a") == ("x", "z")
+    assert tools_for_server(("a:x",), "b") == ()
+    assert tools_for_server((), "a") == ("*",)
+    assert tools_for_server(("plain",), "a") == ("plain",)
+
+
+def test_fingerprint_changes_only_with_content(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    first = load_catalog([tap]).capabilities
+    again = load_catalog([tap]).capabilities
+    assert {n: c.fingerprint for n, c in first.items()} == {n: c.fingerprint for n, c in again.items()}
+    config = tap / "capabilities" / "smalltalk" / "config.toml"
+    config.write_text(config.read_text().replace("weather today", "weather tomorrow"))
+    changed = load_catalog([tap]).capabilities
+    assert changed["smalltalk"].fingerprint != first["smalltalk"].fingerprint
+    assert changed["database-postgres"].fingerprint == first["database-postgres"].fingerprint
+
+
+def test_several_taps_first_wins(tmp_path: Path) -> None:
+    first = octomind_tap(tmp_path / "a")
+    second = tmp_path / "b" / "tap"
+    write_capability(second, "smalltalk", ["another definition entirely"])
+    write_capability(second, "only-here", ["only in the second tap"])
+    catalog = load_catalog([first, second])
+    assert catalog.capabilities["smalltalk"].tap == first.absolute()
+    assert "only-here" in catalog
+    dup = [p for p in catalog.problems if p.code == "duplicate-name"]
+    assert len(dup) == 1 and dup[0].severity == "warning"
+
+
+def _broken(tmp_path: Path) -> Path:
+    tap = octomind_tap(tmp_path)
+    caps = tap / "capabilities"
+    write_capability(tap, "bad-toml", ["fine trigger here"])
+    (caps / "bad-toml" / "config.toml").write_text('triggers = [\n  "one",\n  "two"\n  "three"\n]\n')
+    write_capability(tap, "bad-schema", None)
+    (caps / "bad-schema" / "config.toml").write_text('description = "x"\ntriggers = "not a list"\n')
+    write_capability(tap, "dangling", ["a dangling default"], {"real": POSTGRES_PROVIDER})
+    os.symlink("missing.toml", caps / "dangling" / "default.toml")
+    write_capability(tap, "escape", ["points outside"], {})
+    outside = tmp_path / "outside.toml"
+    outside.write_text(POSTGRES_PROVIDER)
+    os.symlink(outside, caps / "escape" / "default.toml")
+    write_capability(tap, "huge", None)
+    (caps / "huge" / "config.toml").write_text('triggers = ["x"]\n#' + "a" * MAX_FILE_BYTES + "\n")
+    write_capability(tap, "binary", None)
+    (caps / "binary" / "config.toml").write_bytes(b"triggers = [\x00\x01]\n")
+    write_capability(tap, "latin1", None)
+    (caps / "latin1" / "config.toml").write_bytes(b'triggers = ["caf\xe9 au lait please"]\n')
+    write_capability(tap, "bad-server", ["server table is wrong"],
+                     {"p": '[[mcp.servers]]\nname = "x"\ntimeout_seconds = "soon"\n'})
+    return tap
+
+
+def test_broken_files_are_reported_and_skipped(tmp_path: Path) -> None:
+    tap = _broken(tmp_path)
+    catalog = load_catalog([tap])
+    # everything healthy still loads
+    assert {"database-postgres", "filesystem-read", "filesystem-write", "python-toolchain",
+            "smalltalk"} <= set(catalog.capabilities)
+    by_cap = {p.capability: p for p in catalog.errors}
+    assert set(by_cap) == {"bad-toml", "bad-schema", "dangling", "escape", "huge", "binary", "latin1", "bad-server"}
+    assert by_cap["bad-toml"].line == 4 and "invalid TOML" in by_cap["bad-toml"].reason
+    assert by_cap["bad-toml"].file.endswith("bad-toml/config.toml")
+    assert by_cap["bad-schema"].line == 2 and "triggers must be a list of strings" in by_cap["bad-schema"].reason
+    assert "does not exist" in by_cap["dangling"].reason and by_cap["dangling"].file.endswith("default.toml")
+    assert "outside the tap" in by_cap["escape"].reason
+    assert "limited to" in by_cap["huge"].reason
+    assert "binary" in by_cap["binary"].reason
+    assert "UTF-8" in by_cap["latin1"].reason and by_cap["latin1"].line == 1
+    assert "timeout_seconds must be a positive number" in by_cap["bad-server"].reason
+    assert by_cap["bad-server"].line == 3
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_file(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    config = tap / "capabilities" / "smalltalk" / "config.toml"
+    config.chmod(0)
+    catalog = load_catalog([tap])
+    assert "smalltalk" not in catalog
+    assert any("permission denied" in p.reason for p in catalog.errors)
+
+
+def test_missing_tap_and_bad_names(tmp_path: Path) -> None:
+    catalog = load_catalog([tmp_path / "nope"])
+    assert len(catalog) == 0 and catalog.errors[0].code == "missing-tap"
+    tap = octomind_tap(tmp_path)
+    (tap / "capabilities" / "bad name!").mkdir()
+    catalog = load_catalog([tap])
+    assert any(p.code == "bad-name" for p in catalog.errors)
+
+
+def test_tap_gates_file(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    (tap / "capd.toml").write_text("[gates]\nthreshold = 0.5\nmargin = 0.05\n")
+    catalog = load_catalog([tap])
+    cap = catalog.capabilities["smalltalk"]
+    assert dict(catalog.gates_for(cap)) == {"threshold": 0.5, "margin": 0.05}
+    (tap / "capd.toml").write_text("[gates]\nthreshold = 'high'\n")
+    catalog = load_catalog([tap])
+    assert any(p.file.endswith("capd.toml") and p.line == 2 for p in catalog.errors)
+
+
+def test_shipped_tap_loads_cleanly() -> None:
+    taps = default_taps()
+    assert taps, "the shipped taps/ directory is found from the installed package"
+    catalog = load_catalog(taps)
+    assert catalog.errors == ()
+    assert len(catalog) >= 25
+    for capability in catalog:
+        assert 6 <= len(capability.triggers) <= 12, capability.name
+        assert capability.provider is not None, capability.name
