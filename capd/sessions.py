@@ -1,0 +1,365 @@
+"""The session registry: which capabilities each agent session has active, and the plans that change that.
+
+Pure logic over a :class:`~capd.state.SessionStore`; the catalog is read through a callable
+so that a reload swaps it between operations. Every change returns a :class:`Plan` in the
+shape DESIGN.md fixes ("Sessions, LRU and refcounted teardown").
+
+Decisions where DESIGN.md is silent:
+
+- **Pinned** capabilities (settings ``pinned``, those present in the catalog) are active from
+  a session's creation with origin ``pinned``. They do not count toward ``max_active`` (so
+  pinning never shrinks the LRU), are never evicted, and cannot be disabled
+  (:class:`~capd.errors.PinnedCapability`). A pinned name the catalog lacks is ignored
+  until a reload adds it; the next plan then starts it.
+- A session is **created on first use** by any plan-returning call (activate, deactivate,
+  reconcile): its first plan carries the start items of the pinned capabilities.
+- **Re-activating** an active capability changes nothing but ``last_used`` (the plan is
+  empty apart from ``active``); ``manual`` upgrades an ``auto`` entry (the user asked for it
+  explicitly; both stay evictable), and an origin is never downgraded.
+- **Start** items come one per server of the new capability, even when that server already
+  runs for another capability of the session: the agent adds this capability's tools to the
+  running server. Servers are identified by name within a session.
+- **Teardown** is applied before start. ``kill`` is computed item by item within one plan,
+  so a server shared by two capabilities removed together is killed exactly once (by the
+  last item). ``tools`` is the capability's own grant as snapshotted; a server's tool
+  surface is the union of the grants of the capabilities still referencing it, so a tool
+  that another remaining capability also grants stays.
+- **Snapshots**: servers, tools and specs are copied at activation, so teardown matches what
+  was started even after the tap changes. An edited capability keeps its snapshot until it
+  leaves the session; a deleted one is torn down by the session's next plan. Settings that
+  changed across a restart are applied there too: a formerly pinned capability becomes
+  ``manual``, and the LRU is trimmed to ``max_active``.
+- **Idle** (for ``ttl``): every call on a session except the reads (get, active_names,
+  sessions) touches it, including a failed tool result.
+- **Persistence failures** (:class:`~capd.errors.StateError` from the store) are logged, the
+  registry keeps serving from the store's in-memory copy, and the next write retries.
+- ``{{ENV:…}}`` placeholders in server specs are passed through verbatim, never resolved.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from capd.catalog import Capability, Catalog, tool_allowed
+from capd.errors import InvalidSessionId, PinnedCapability, StateError, UnknownCapability, UnknownSession
+from capd.state import ActiveCapability, Origin, ServerSnapshot, SessionRecord, SessionStore
+
+log = logging.getLogger(__name__)
+
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+ActivationOrigin = Literal["auto", "manual"]
+
+
+def check_session_id(session: str) -> str:
+    if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
+        raise InvalidSessionId(str(session))
+    return session
+
+
+@dataclass(frozen=True)
+class StartItem:
+    capability: str
+    server: Mapping[str, Any]
+    tools: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"capability": self.capability, "server": copy.deepcopy(dict(self.server)), "tools": list(self.tools)}
+
+
+@dataclass(frozen=True)
+class TeardownItem:
+    capability: str
+    server: str
+    kill: bool
+    tools: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"capability": self.capability, "server": self.server, "kill": self.kill, "tools": list(self.tools)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the agent must do: tear down (first), then start. ``active`` is in stable order.
+
+    ``activated`` and ``removed`` name the capabilities that entered and left the session
+    (for logs and metrics); they are not part of :meth:`as_dict`.
+    """
+
+    start: tuple[StartItem, ...] = ()
+    teardown: tuple[TeardownItem, ...] = ()
+    active: tuple[str, ...] = ()
+    activated: tuple[str, ...] = field(default=(), compare=False)
+    removed: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def changed(self) -> bool:
+        """True when the active set changed (a re-activation or origin upgrade alone is not a change)."""
+        return bool(self.activated or self.removed)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"start": [s.as_dict() for s in self.start], "teardown": [t.as_dict() for t in self.teardown],
+                "active": list(self.active)}
+
+
+@dataclass(frozen=True)
+class SessionState:
+    """A read-only view of one session; ``active`` in stable order (activation order, then name)."""
+
+    session: str
+    last_seen: float
+    active: tuple[ActiveCapability, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.active)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"session": self.session, "last_seen": self.last_seen, "active": [a.as_dict() for a in self.active]}
+
+
+def _ordered(entries: Iterable[ActiveCapability]) -> tuple[ActiveCapability, ...]:
+    return tuple(sorted(entries, key=lambda a: (a.seq, a.name)))
+
+
+def _snapshot(capability: Capability) -> tuple[ServerSnapshot, ...]:
+    tools = dict(capability.server_tools)
+    servers: dict[str, ServerSnapshot] = {}
+    for spec in capability.servers:
+        servers.setdefault(spec.name, ServerSnapshot(spec.name, tools.get(spec.name, ("*",)), spec.as_dict()))
+    return tuple(servers.values())
+
+
+def _references(entry: ActiveCapability, server: str) -> bool:
+    return any(s.name == server for s in entry.servers)
+
+
+class _Change:
+    """A working copy of one session during one operation; :meth:`plan` diffs it against the start."""
+
+    def __init__(self, record: SessionRecord) -> None:
+        self.session = record.session
+        self.active = {a.name: a for a in record.active}
+        self.next_seq = record.next_seq
+        self.added: list[str] = []
+        self.removed: list[ActiveCapability] = []
+
+    def add(self, capability: Capability, origin: Origin, now: float) -> None:
+        self.active[capability.name] = ActiveCapability(capability.name, origin, self.next_seq, now,
+                                                        _snapshot(capability))
+        self.next_seq += 1
+        self.added.append(capability.name)
+
+    def remove(self, name: str) -> None:
+        entry = self.active.pop(name)
+        if name in self.added:  # came and went within one operation: nothing for the agent to do
+            self.added.remove(name)
+        else:
+            self.removed.append(entry)
+
+    def unpinned(self) -> list[ActiveCapability]:
+        return [a for a in self.active.values() if a.origin != "pinned"]
+
+    def record(self, now: float) -> SessionRecord:
+        return SessionRecord(self.session, now, self.next_seq, _ordered(self.active.values()))
+
+    def plan(self) -> Plan:
+        final = _ordered(self.active.values())
+        teardown: list[TeardownItem] = []
+        for index, entry in enumerate(self.removed):
+            still = (*final, *self.removed[index + 1:])
+            teardown.extend(TeardownItem(entry.name, s.name, not any(_references(o, s.name) for o in still), s.tools)
+                            for s in entry.servers)
+        start = tuple(StartItem(name, s.spec, s.tools) for name in self.added for s in self.active[name].servers)
+        return Plan(start, tuple(teardown), tuple(a.name for a in final), tuple(self.added),
+                    tuple(e.name for e in self.removed))
+
+
+@dataclass
+class _LockEntry:
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    users: int = 0
+
+
+class SessionRegistry:
+    """Active capabilities per session, LRU eviction, refcounted teardown; durable through the store."""
+
+    def __init__(self, store: SessionStore, catalog: Callable[[], Catalog], max_active: int = 4,
+                 pinned: Sequence[str] = (), clock: Callable[[], float] = time.time, ttl: float = 86400) -> None:
+        if max_active < 1:
+            raise ValueError(f"max_active must be at least 1, got {max_active}")
+        if ttl <= 0:
+            raise ValueError(f"ttl must be positive, got {ttl}")
+        self.store = store
+        self.max_active = max_active
+        self.pinned = tuple(dict.fromkeys(pinned))
+        self.ttl = float(ttl)
+        self._catalog = catalog
+        self._clock = clock
+        self._locks: dict[str, _LockEntry] = {}
+        self._locks_guard = threading.Lock()
+        self._degraded = False
+
+    @contextmanager
+    def locked(self, session: str) -> Iterator[None]:
+        """Hold one session's (re-entrant) lock, e.g. to make read-decide-activate atomic."""
+        check_session_id(session)
+        with self._locks_guard:
+            entry = self._locks.setdefault(session, _LockEntry())
+            entry.users += 1
+        try:
+            with entry.lock:
+                yield
+        finally:
+            with self._locks_guard:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._locks[session]
+
+    # -- plan-returning operations ---------------------------------------------------------------
+    def activate(self, session: str, name: str, origin: ActivationOrigin = "manual") -> Plan:
+        """Make ``name`` active, evicting at most one LRU capability. Creates the session on first use."""
+        if origin not in ("auto", "manual"):
+            raise ValueError(f"origin must be 'auto' or 'manual', got {origin!r}")
+        with self.locked(session):
+            catalog = self._catalog()
+            capability = catalog.get(name)
+            if capability is None:
+                raise UnknownCapability(name)
+            now = self._clock()
+            change = self._begin(session, catalog, now)
+            entry = change.active.get(name)
+            if entry is not None:
+                kept: Origin = "manual" if origin == "manual" and entry.origin == "auto" else entry.origin
+                change.active[name] = replace(entry, last_used=now, origin=kept)
+            else:
+                if len(change.unpinned()) >= self.max_active:
+                    self._evict_one(change)
+                change.add(capability, origin, now)
+            return self._commit(change, now)
+
+    def deactivate(self, session: str, name: str) -> Plan:
+        """Remove ``name`` (idempotent). Pinned → PinnedCapability; never active and not in the catalog → Unknown."""
+        with self.locked(session):
+            if name in self.pinned:
+                raise PinnedCapability(name)
+            catalog = self._catalog()
+            if name not in catalog and name not in self.active_names(session):
+                raise UnknownCapability(name)
+            now = self._clock()
+            change = self._begin(session, catalog, now)
+            if name in change.active:
+                change.remove(name)
+            return self._commit(change, now)
+
+    def reconcile(self, session: str) -> Plan:
+        """Apply catalog and settings changes: tear down deleted capabilities, start newly present pinned ones."""
+        with self.locked(session):
+            catalog = self._catalog()
+            now = self._clock()
+            return self._commit(self._begin(session, catalog, now), now)
+
+    def drop(self, session: str) -> Plan:
+        """Forget a session; the plan tears down everything it had. UnknownSession if absent."""
+        with self.locked(session):
+            record = self._require(session)
+            change = _Change(record)
+            for entry in record.active:
+                change.remove(entry.name)
+            self._persist(self.store.delete, session)
+            return change.plan()
+
+    # -- other operations --------------------------------------------------------------------------
+    def tool_result(self, session: str, server: str, tool: str, ok: bool) -> list[str]:
+        """Report a tool call. On success bump every active capability granting it; returns their names."""
+        with self.locked(session):
+            record = self._require(session)
+            now = self._clock()
+            bumped = [a.name for a in record.active if ok and any(
+                s.name == server and tool_allowed(s.tools, tool) for s in a.servers)]
+            active = tuple(replace(a, last_used=now) if a.name in bumped else a for a in record.active)
+            self._persist(self.store.put, replace(record, last_seen=now, active=active))
+            return bumped
+
+    def get(self, session: str) -> SessionState:
+        record = self._require(session)
+        return SessionState(record.session, record.last_seen, _ordered(record.active))
+
+    def active_names(self, session: str) -> tuple[str, ...]:
+        """Active capability names in stable order; empty for an unknown session."""
+        record = self.store.get(check_session_id(session))
+        return tuple(a.name for a in _ordered(record.active)) if record else ()
+
+    def sessions(self) -> tuple[str, ...]:
+        return self.store.ids()
+
+    def expire(self) -> list[str]:
+        """Drop sessions idle for longer than ``ttl``; returns their ids."""
+        expired: list[str] = []
+        for session in self.store.ids():
+            with self.locked(session):
+                record = self.store.get(session)
+                if record is not None and self._clock() - record.last_seen > self.ttl:
+                    self._persist(self.store.delete, session)
+                    expired.append(session)
+        if expired:
+            log.info("expired %d idle session(s): %s", len(expired), ", ".join(expired))
+        return expired
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _require(self, session: str) -> SessionRecord:
+        record = self.store.get(check_session_id(session))
+        if record is None:
+            raise UnknownSession(session)
+        return record
+
+    def _begin(self, session: str, catalog: Catalog, now: float) -> _Change:
+        record = self.store.get(session)
+        if record is None:
+            log.debug("session %s created", session)
+            record = SessionRecord(session, now, 0)
+        change = _Change(record)
+        pinned = set(self.pinned)
+        for entry in _ordered(change.active.values()):
+            if entry.name not in catalog:
+                change.remove(entry.name)
+            elif (entry.origin == "pinned") != (entry.name in pinned):
+                change.active[entry.name] = replace(entry, origin="pinned" if entry.name in pinned else "manual")
+        for name in self.pinned:
+            capability = catalog.get(name)
+            if capability is not None and name not in change.active:
+                change.add(capability, "pinned", now)
+        while len(change.unpinned()) > self.max_active:
+            self._evict_one(change)
+        return change
+
+    @staticmethod
+    def _evict_one(change: _Change) -> None:
+        victim = min(change.unpinned(), key=lambda a: (a.last_used, a.seq))
+        change.remove(victim.name)
+
+    def _commit(self, change: _Change, now: float) -> Plan:
+        plan = change.plan()
+        self._persist(self.store.put, change.record(now))
+        if plan.changed:
+            log.debug("session %s: +%s -%s", change.session, list(plan.activated), list(plan.removed))
+        return plan
+
+    def _persist(self, write: Callable[[Any], None], value: Any) -> None:
+        try:
+            write(value)
+        except StateError as exc:
+            if not self._degraded:
+                log.warning("session state is kept in memory only until the store is writable again: %s", exc)
+            self._degraded = True
+        else:
+            if self._degraded:
+                log.warning("session state is being stored again (%s)", self.store.path)
+            self._degraded = False

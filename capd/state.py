@@ -1,0 +1,266 @@
+"""Durable session state: one SQLite database (WAL) with an in-memory write-through cache.
+
+The store knows records, not rules: :mod:`capd.sessions` decides what a session holds and
+hands the store immutable :class:`SessionRecord` values to keep.
+
+- Lives at ``<data_dir>/sessions.sqlite3`` (:data:`FILENAME`); the caller passes the path.
+- Every :meth:`SessionStore.put` / :meth:`SessionStore.delete` is one transaction, committed
+  before the call returns. WAL with ``synchronous=NORMAL`` survives a restart and a
+  ``kill -9`` of the daemon (committed pages are in the OS cache); only a power cut can
+  lose the last commits, and state costs only time to rebuild.
+- Reads are served from the cache loaded at open; SQLite is never read on the hot path.
+- Schema versioned in ``meta(schema_version)``; :data:`_MIGRATIONS` takes an older file
+  forward, a newer file is refused with :class:`~capd.errors.StateError`.
+- Opening an unusable file or directory raises :class:`~capd.errors.StateError`. A write
+  that fails later (read-only directory, full disk, locked file) updates the cache anyway,
+  keeps the change pending and raises :class:`~capd.errors.StateError`; the next write
+  retries every pending change, so a running daemon can keep serving from memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, cast
+
+from capd.errors import StateError
+
+log = logging.getLogger(__name__)
+
+FILENAME = "sessions.sqlite3"
+SCHEMA_VERSION = 1
+Origin = Literal["auto", "manual", "pinned"]
+ORIGINS: tuple[Origin, ...] = ("auto", "manual", "pinned")
+
+_SCHEMA = (
+    "CREATE TABLE sessions (id TEXT PRIMARY KEY, last_seen REAL NOT NULL, next_seq INTEGER NOT NULL,"
+    " active TEXT NOT NULL)",
+)
+# version n -> statements that take a schema-n file to n + 1.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {}
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class ServerSnapshot:
+    """One server of an active capability as it was at activation: name, allowed tools, spec."""
+
+    name: str
+    tools: tuple[str, ...]
+    spec: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ActiveCapability:
+    """A capability active in a session."""
+
+    name: str
+    origin: Origin
+    seq: int  # activation sequence number within the session
+    last_used: float
+    servers: tuple[ServerSnapshot, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "last_used": self.last_used,
+            "origin": self.origin,
+            "servers": [{"name": s.name, "tools": list(s.tools)} for s in self.servers],
+        }
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """Everything stored about one session. ``active`` is kept in activation order."""
+
+    session: str
+    last_seen: float
+    next_seq: int
+    active: tuple[ActiveCapability, ...] = ()
+
+
+def _encode(record: SessionRecord) -> str:
+    return json.dumps(
+        [{"name": a.name, "origin": a.origin, "seq": a.seq, "last_used": a.last_used,
+          "servers": [{"name": s.name, "tools": list(s.tools), "spec": s.spec} for s in a.servers]}
+         for a in record.active],
+        ensure_ascii=False, default=str,
+    )
+
+
+def _decode(session: str, last_seen: float, next_seq: int, active: str) -> SessionRecord:
+    """Rebuild a record from a row; raises ValueError, KeyError or TypeError if it is malformed."""
+    entries: list[ActiveCapability] = []
+    for item in json.loads(active):
+        origin = item["origin"]
+        if origin not in ORIGINS:
+            raise ValueError(f"unknown origin {origin!r}")
+        servers = tuple(ServerSnapshot(str(s["name"]), tuple(str(t) for t in s["tools"]), dict(s["spec"]))
+                        for s in item["servers"])
+        entries.append(ActiveCapability(str(item["name"]), cast(Origin, origin), int(item["seq"]),
+                                        float(item["last_used"]), servers))
+    return SessionRecord(session, float(last_seen), int(next_seq), tuple(entries))
+
+
+class SessionStore:
+    """Sessions in SQLite, cached in memory. Thread-safe; a write holds the file only to commit."""
+
+    def __init__(self, path: Path | str, *, timeout: float = 5.0) -> None:
+        self.path = Path(path)
+        self.last_error: str | None = None
+        self._cache: dict[str, SessionRecord] = {}
+        self._pending: dict[str, SessionRecord | None] = {}  # None = delete
+        self._cache_lock = threading.Lock()  # brief: dict access only
+        self._db_lock = threading.Lock()  # one writer on the connection at a time
+        self._conn: sqlite3.Connection | None = self._open(timeout)
+        self._cache = self._load()
+
+    def _fail(self, doing: str, exc: BaseException) -> StateError:
+        return StateError(f"{self.path}: cannot {doing} session state: {exc}; make the data directory "
+                          "writable (--data-dir / CAPD_DATA_DIR), or move the file aside to start afresh")
+
+    def _open(self, timeout: float) -> sqlite3.Connection:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._fail("create the directory for", exc) from None
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise sqlite3.OperationalError(f"journal_mode is {mode!r}, WAL could not be enabled")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._migrate(conn)
+        except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()
+            raise self._fail("open", exc) from None
+        except StateError:
+            if conn is not None:
+                conn.close()
+            raise
+        return conn
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        """Create or upgrade the schema. Writes ``meta`` every time, which also proves the file is writable."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            version = int(row[0]) if row else 0
+            if version > SCHEMA_VERSION:
+                raise StateError(f"{self.path}: session state has schema {version}, newer than this capd "
+                                 f"understands ({SCHEMA_VERSION}); upgrade capd or use another --data-dir")
+            statements = _SCHEMA if version == 0 else tuple(
+                stmt for v in range(version, SCHEMA_VERSION) for stmt in _MIGRATIONS[v])
+            for statement in statements:
+                conn.execute(statement)
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
+                         (str(SCHEMA_VERSION),))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _load(self) -> dict[str, SessionRecord]:
+        assert self._conn is not None
+        try:
+            rows = self._conn.execute("SELECT id, last_seen, next_seq, active FROM sessions").fetchall()
+        except sqlite3.Error as exc:
+            self.close()
+            raise self._fail("read", exc) from None
+        records: dict[str, SessionRecord] = {}
+        for row in rows:
+            try:
+                records[row[0]] = _decode(*row)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("%s: skipping unreadable session %r: %s", self.path, row[0], exc)
+        return records
+
+    # -- reads: memory only ------------------------------------------------------------------
+    def get(self, session: str) -> SessionRecord | None:
+        with self._cache_lock:
+            return self._cache.get(session)
+
+    def ids(self) -> tuple[str, ...]:
+        with self._cache_lock:
+            return tuple(sorted(self._cache))
+
+    @property
+    def pending(self) -> int:
+        """Changes applied in memory but not yet committed to disk (0 when healthy)."""
+        with self._cache_lock:
+            return len(self._pending)
+
+    # -- writes: cache first, then one transaction ----------------------------------------------
+    def put(self, record: SessionRecord) -> None:
+        """Store a session. Raises StateError if it could not be committed (it stays cached and pending)."""
+        with self._cache_lock:
+            self._cache[record.session] = record
+            self._pending[record.session] = record
+        self._flush()
+
+    def delete(self, session: str) -> None:
+        """Forget a session (no error if absent). Raises StateError like :meth:`put`."""
+        with self._cache_lock:
+            self._cache.pop(session, None)
+            self._pending[session] = None
+        self._flush()
+
+    def _flush(self) -> None:
+        with self._db_lock:
+            with self._cache_lock:
+                batch = dict(self._pending)
+            if not batch:
+                return
+            if self._conn is None:
+                raise StateError(f"{self.path}: session store is closed")
+            try:
+                self._write(self._conn, batch)
+            except sqlite3.Error as exc:
+                error = self._fail("write", exc)
+                self.last_error = str(error)
+                raise error from None
+            self.last_error = None
+            with self._cache_lock:
+                for session, value in batch.items():
+                    if self._pending.get(session, _MISSING) is value:  # not changed again meanwhile
+                        del self._pending[session]
+
+    @staticmethod
+    def _write(conn: sqlite3.Connection, batch: Mapping[str, SessionRecord | None]) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for session, record in batch.items():
+                if record is None:
+                    conn.execute("DELETE FROM sessions WHERE id = ?", (session,))
+                else:
+                    conn.execute("INSERT OR REPLACE INTO sessions (id, last_seen, next_seq, active) "
+                                 "VALUES (?, ?, ?, ?)",
+                                 (session, record.last_seen, record.next_seq, _encode(record)))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        with self._db_lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> SessionStore:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

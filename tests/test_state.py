@@ -1,0 +1,274 @@
+"""Durable session state: round trips, kill -9 of a real writer process, unwritable directories, schema."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from capd.catalog import Catalog
+from capd.errors import StateError
+from capd.sessions import SessionRegistry
+from capd.state import FILENAME, SCHEMA_VERSION, ActiveCapability, SessionRecord, SessionStore
+from capd.taps import load_catalog
+from tests.taputil import write_capability
+
+REPO = Path(__file__).resolve().parent.parent
+CAPS = ("fs-read", "git", "rust", "fs-write")
+FILESYSTEM = """[[mcp.servers]]
+name = "filesystem"
+command = "npx"
+args = ["-y", "@modelcontextprotocol/server-filesystem", "{{ENV:HOME}}"]
+timeout_seconds = 30
+"""
+PROVIDERS = {
+    "fs-read": f'[roles.mcp]\nserver_refs = ["filesystem"]\nallowed_tools = ["filesystem:read_file"]\n{FILESYSTEM}',
+    "fs-write": f'[roles.mcp]\nserver_refs = ["filesystem"]\nallowed_tools = ["filesystem:write_file"]\n{FILESYSTEM}',
+    "git": '[roles.mcp]\nserver_refs = ["git"]\nallowed_tools = ["git:*"]\n[[mcp.servers]]\nname = "git"\n'
+           'command = "uvx"\nargs = ["mcp-server-git"]\n[mcp.servers.env]\nGIT_TOKEN = "{{ENV:GIT_TOKEN}}"\n',
+    "rust": '[deps]\nrequire = ["rust-lang/rustup"]\n',
+}
+
+
+@pytest.fixture
+def tap(tmp_path: Path) -> Path:
+    for name, text in PROVIDERS.items():
+        write_capability(tmp_path / "tap", name, [f"use {name}"], {name: text}, default="<inline>")
+    return tmp_path / "tap"
+
+
+@pytest.fixture
+def catalog(tap: Path) -> Catalog:
+    return load_catalog([tap])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_state_is_read_back_exactly_by_a_new_store(tmp_path: Path, catalog: Catalog) -> None:
+    path, clock = tmp_path / "data" / FILENAME, Clock()
+    with SessionStore(path) as store:
+        registry = SessionRegistry(store, lambda: catalog, max_active=2, pinned=("rust",), clock=clock)
+        for session, names in (("a", ["git", "fs-read"]), ("b", ["fs-write"]), ("c", ["git"])):
+            for name in names:
+                clock.t += 1.5
+                registry.activate(session, name, "auto")
+        clock.t += 0.25
+        registry.tool_result("a", "git", "git_log", ok=True)
+        registry.drop("c")
+        before = {s: store.get(s) for s in store.ids()}
+        states = {s: registry.get(s) for s in registry.sessions()}
+    with SessionStore(path) as reopened:
+        assert reopened.ids() == ("a", "b")
+        assert {s: reopened.get(s) for s in reopened.ids()} == before
+        again = SessionRegistry(reopened, lambda: catalog, max_active=2, pinned=("rust",), clock=clock)
+        assert {s: again.get(s) for s in again.sessions()} == states
+        spec = again.get("a").active[1].servers[0].spec
+        assert spec["env"] == {"GIT_TOKEN": "{{ENV:GIT_TOKEN}}"}  # stored verbatim, never resolved
+        clock.t += 1
+        plan = again.activate("a", "fs-write")  # the LRU continues from the stored last_used
+        assert plan.removed == ("fs-read",) and plan.active == ("rust", "git", "fs-write")
+        assert [a.seq for a in again.get("a").active] == [0, 1, 3]
+
+
+def test_put_delete_and_reopen(tmp_path: Path) -> None:
+    path = tmp_path / FILENAME
+    record = SessionRecord("s", 5.0, 2, (ActiveCapability("x", "auto", 1, 4.5),))
+    with SessionStore(path) as store:
+        store.put(record)
+        store.put(SessionRecord("t", 6.0, 0))
+        store.delete("s")
+        store.delete("never-there")
+        assert store.ids() == ("t",) and store.get("s") is None and store.pending == 0
+        store.put(record)
+    with SessionStore(path) as store:
+        assert store.get("s") == record and store.ids() == ("s", "t")
+    closed = SessionStore(path)
+    closed.close()
+    with pytest.raises(StateError, match="closed"):
+        closed.put(record)
+
+
+def test_schema_is_versioned(tmp_path: Path) -> None:
+    path = tmp_path / FILENAME
+    SessionStore(path).close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    db.close()
+    with pytest.raises(StateError, match="schema 99, newer"):
+        SessionStore(path)
+
+
+def test_a_file_that_is_not_a_database(tmp_path: Path) -> None:
+    path = tmp_path / FILENAME
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StateError, match=r"sessions\.sqlite3.*move the file aside"):
+        SessionStore(path)
+
+
+def test_unreadable_rows_are_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / FILENAME
+    with SessionStore(path) as store:
+        store.put(SessionRecord("good", 1.0, 0))
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO sessions VALUES ('bad', 1.0, 0, '[{\"name\": 1}]')")
+    db.close()
+    with caplog.at_level(logging.WARNING, logger="capd.state"), SessionStore(path) as store:
+        assert store.ids() == ("good",)
+    assert "skipping unreadable session 'bad'" in caplog.text
+
+
+def test_directory_that_cannot_be_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StateError, match=r"a-file.*writable"):
+        SessionStore(blocker / "data" / FILENAME)
+
+
+def _freeze(*paths: Path) -> bool:
+    """Make paths read-only even for root (chattr +i) if chmod does not stop us; False if impossible."""
+    for path in paths:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    if not any(os.access(p, os.W_OK) for p in paths):
+        return True
+    done = subprocess.run(["chattr", "+i", *map(str, paths)], capture_output=True, check=False)
+    return done.returncode == 0
+
+
+def _thaw(*paths: Path) -> None:
+    subprocess.run(["chattr", "-i", *map(str, paths)], capture_output=True, check=False)
+    for path in paths:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_read_only_directory(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    SessionStore(data / FILENAME).close()
+    try:
+        if not _freeze(data):
+            pytest.skip("cannot make a directory read-only here (root without chattr)")
+        with pytest.raises(StateError, match=r"sessions\.sqlite3: cannot open session state.*writable"):
+            SessionStore(data / FILENAME)
+    finally:
+        _thaw(data)
+
+
+def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / FILENAME
+    store = SessionStore(path, timeout=0.05)
+    registry = SessionRegistry(store, lambda: catalog, clock=Clock())
+    registry.activate("s1", "git")
+    registry.activate("gone", "git")
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # another writer holds the file: every write of ours fails
+    try:
+        with pytest.raises(StateError, match="cannot write session state"):
+            store.put(SessionRecord("direct", 1.0, 0))
+        with caplog.at_level(logging.WARNING, logger="capd.sessions"):
+            plan = registry.activate("s1", "fs-read")
+            registry.drop("gone")
+        assert plan.activated == ("fs-read",)
+        assert registry.active_names("s1") == ("git", "fs-read")
+        assert store.pending == 3 and store.last_error is not None
+        assert "kept in memory only" in caplog.text
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    registry.activate("s2", "rust")  # the next write flushes everything pending
+    assert store.pending == 0 and store.last_error is None
+    store.close()
+    with SessionStore(path) as reopened:
+        assert reopened.ids() == ("direct", "s1", "s2")
+        assert [a.name for a in (reopened.get("s1") or SessionRecord("", 0, 0)).active] == ["git", "fs-read"]
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    from capd.sessions import SessionRegistry
+    from capd.state import SessionStore
+    from capd.taps import load_catalog
+
+    caps = sys.argv[3].split(",")
+    catalog = load_catalog([sys.argv[1]])
+    now = [0.0]
+    registry = SessionRegistry(SessionStore(sys.argv[2]), lambda: catalog, max_active=2, clock=lambda: now[0])
+    i = 0
+    while True:
+        now[0] = float(i)
+        registry.activate(f"s{i}", caps[i % len(caps)])
+        registry.activate("hot", caps[i % len(caps)])
+        if i % 3 == 0:
+            registry.tool_result("hot", "filesystem", "read_file", ok=True)
+        print(i, flush=True)
+        i += 1
+""")
+
+
+def _reference(catalog: Catalog, path: Path, upto: int) -> tuple[SessionStore, list[list[SessionRecord]]]:
+    """Replay the child's loop in-process; returns the store and, per iteration, each state 'hot' went through."""
+    now = [0.0]
+    store = SessionStore(path)
+    registry = SessionRegistry(store, lambda: catalog, max_active=2, clock=lambda: now[0])
+    hot: list[list[SessionRecord]] = []
+
+    def snapshot() -> SessionRecord:
+        record = store.get("hot")
+        assert record is not None
+        return record
+
+    for i in range(upto):
+        now[0] = float(i)
+        registry.activate(f"s{i}", CAPS[i % len(CAPS)])
+        registry.activate("hot", CAPS[i % len(CAPS)])
+        hot.append([snapshot()])
+        if i % 3 == 0:
+            registry.tool_result("hot", "filesystem", "read_file", ok=True)
+            hot[-1].append(snapshot())
+    return store, hot
+
+
+@pytest.mark.slow
+def test_kill_9_mid_writes_keeps_every_committed_session(tmp_path: Path, tap: Path, catalog: Catalog) -> None:
+    path = tmp_path / "data" / FILENAME
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tap), str(path), ",".join(CAPS)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    try:
+        for line in child.stdout:
+            if int(line) >= 400:
+                break
+        os.kill(child.pid, signal.SIGKILL)  # mid-write: the loop commits continuously
+    finally:
+        child.kill()
+        rest, err = child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGKILL, err
+    last = max([400, *map(int, rest.split())])  # the child may have printed more than we had read
+
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    db.close()
+    reference, hot = _reference(catalog, tmp_path / "reference.sqlite3", last + 2)
+    with SessionStore(path) as store, reference:
+        committed = {int(s[1:]) for s in store.ids() if s.startswith("s")}
+        assert set(range(last + 1)) <= committed <= set(range(last + 2))  # at most one write was in flight
+        for i in committed:
+            assert store.get(f"s{i}") == reference.get(f"s{i}")
+        assert store.get("hot") in [hot[last][-1], *hot[last + 1]]
+        store.put(SessionRecord("after", 1.0, 0))  # the recovered file takes writes
+    with SessionStore(path) as store:
+        assert store.get("after") == SessionRecord("after", 1.0, 0)
