@@ -141,6 +141,8 @@ def _as_str(value: object) -> str:
 
 
 def _as_path(value: object) -> Path:
+    if isinstance(value, Path):
+        return value.expanduser()
     return Path(_as_str(value)).expanduser()
 
 

@@ -84,7 +84,9 @@ def parse_toml(path: Path, root: Path) -> tuple[dict[str, Any], str, bytes]:
         message = str(exc)
         match = _TOML_POS.search(message)
         where = int(match.group(1)) if match else None
-        reason = _TOML_POS.sub("", message)
+        if where is None and "end of document" in message:
+            where = max(1, text.count("\n") + (0 if text.endswith("\n") else 1))
+        reason = _TOML_POS.sub("", message).replace(" (at end of document)", " at the end of the file")
         raise TapFileError(path, f"invalid TOML: {reason}", where) from None
 
 

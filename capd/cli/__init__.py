@@ -6,6 +6,9 @@ import click
 
 from capd import __version__
 from capd.cli.common import CapdGroup
+from capd.cli.daemon_cmds import disable, enable, list_, serve, status
+from capd.cli.engine_cmds import index, models
+from capd.cli.router_cmds import calibrate, discover, eval_, route, test_
 from capd.cli.tap_cmds import lint
 
 
@@ -19,3 +22,9 @@ def main() -> None:
 
 
 main.add_command(lint)
+for command in (discover, route, eval_, test_, calibrate):
+    main.add_command(command)
+for command in (serve, status, list_, enable, disable):
+    main.add_command(command)
+main.add_command(index)
+main.add_command(models)

@@ -1,0 +1,274 @@
+"""The HTTP API (DESIGN.md "HTTP API", v1), as a FastAPI app whose lifespan owns every resource.
+
+- Errors are JSON ``{"error": code, "detail": text}`` with a 4xx status for bad input.
+- Bodies over ``MAX_BODY_BYTES`` and messages over ``MAX_MESSAGE_BYTES`` get 413.
+- With a token configured, every endpoint (docs and metrics included) needs
+  ``Authorization: Bearer <token>``.
+- While the model loads, ``/v1/health`` says ``ready: false``, ``/v1/route`` answers
+  ``skipped`` ("warming up") at once, and endpoints that need the catalog answer 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, Field
+
+from capd.capability_tool import TOOL_SCHEMA, run_capability_call
+from capd.encoder import Encoder
+from capd.errors import (
+    CapdError,
+    InvalidSessionId,
+    PinnedCapability,
+    StateError,
+    UnknownCapability,
+    UnknownSession,
+)
+from capd.service import Service
+from capd.settings import Settings
+from capd.watcher import TapWatcher
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_BODY_BYTES = 256 * 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+def _check_size(text: str, field_name: str) -> str:
+    size = len(text.encode("utf-8"))
+    if size > MAX_MESSAGE_BYTES:
+        raise ApiError(413, "too_large", f"{field_name} is {size} bytes; the limit is {MAX_MESSAGE_BYTES}")
+    return text
+
+
+SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+
+
+class RouteBody(BaseModel):
+    session: SessionId | None = Field(None, description="The agent's session id; omit to route without a session.")
+    message: str = Field(..., description="The user's message (tags are stripped before routing).")
+
+
+class DiscoverBody(BaseModel):
+    intent: str = Field(..., description="What the user wants to do.")
+    limit: int = Field(5, ge=1, le=100)
+
+
+class NameBody(BaseModel):
+    name: str = Field(..., min_length=1, max_length=128)
+
+
+class ToolResultBody(BaseModel):
+    tool: str = Field(..., min_length=1, max_length=256)
+    server: str = Field(..., min_length=1, max_length=256)
+    ok: bool
+
+
+class CapabilityCall(BaseModel):
+    action: Literal["list", "discover", "enable", "disable"]
+    name: str | None = Field(None, max_length=128)
+    intent: str | None = None
+
+
+def _error(status: int, error: str, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
+
+
+def _install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.error, exc.detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return _error(422, "invalid_request", detail)
+
+    statuses: list[tuple[type[CapdError], int, str]] = [
+        (UnknownSession, 404, "unknown_session"), (UnknownCapability, 404, "unknown_capability"),
+        (InvalidSessionId, 400, "invalid_session_id"), (PinnedCapability, 409, "pinned"),
+        (StateError, 503, "state_unavailable"),
+    ]
+    for cls, status, code in statuses:
+        def make(status: int, code: str) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+            async def handler(_: Request, exc: Exception) -> JSONResponse:
+                return _error(status, code, str(exc))
+            return handler
+        app.add_exception_handler(cls, make(status, code))
+
+    @app.exception_handler(CapdError)
+    async def capd_error(_: Request, exc: CapdError) -> JSONResponse:
+        return _error(400, "bad_request", str(exc))
+
+
+def _install_middleware(app: FastAPI, settings: Settings) -> None:
+    token = settings.token
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if token is not None:
+            header = request.headers.get("authorization", "")
+            scheme, _, given = header.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), token.encode()):
+                return _error(401, "unauthorized", "missing or wrong bearer token",
+                              headers={"WWW-Authenticate": "Bearer"})
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return _error(413, "too_large", f"request body over {MAX_BODY_BYTES} bytes")
+        try:
+            return await call_next(request)
+        except Exception:  # a bug, not bad input: log it, answer JSON
+            log.exception("internal error on %s %s", request.method, request.url.path)
+            return _error(500, "internal", "internal error; see the daemon log")
+
+
+def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool = True,
+               warm_in_background: bool = True) -> FastAPI:
+    """Build the app. ``encoder`` replaces the configured model (tests pass a fake)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service = Service(settings, encoder=encoder, sessions=True)
+        app.state.service = service
+        watcher: TapWatcher | None = None
+        stop = threading.Event()
+
+        def warm() -> None:
+            nonlocal watcher
+            try:
+                service.start()
+            except Exception:
+                log.exception("capd failed to start")
+                return
+            log.info("ready: %d capabilities in %.2fs", len(service.catalog_now()), service.ready_after or 0)
+            if watch and not stop.is_set():
+                watcher = TapWatcher(service)
+                watcher.start()
+            while not stop.wait(60.0):
+                if service.registry is not None:
+                    service.registry.expire()
+
+        thread = threading.Thread(target=warm, name="capd-warmup", daemon=True)
+        thread.start()
+        if not warm_in_background:
+            while thread.is_alive() and not service.ready and service.startup_error is None:
+                thread.join(0.05)
+        try:
+            yield
+        finally:
+            stop.set()
+            if watcher is not None:
+                watcher.stop()
+            service.close()
+
+    app = FastAPI(title="capd", version="1", lifespan=lifespan,
+                  description="Local capability router for AI agents. See DESIGN.md.")
+    _install_handlers(app)
+    _install_middleware(app, settings)
+    _install_routes(app)
+    return app
+
+
+def _service(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+def _ready(request: Request) -> Service:
+    service = _service(request)
+    if not service.ready:
+        raise ApiError(503, "warming_up", service.startup_error or "the model and index are still loading")
+    return service
+
+
+def _registry(request: Request) -> Any:
+    service = _ready(request)
+    if service.registry is None:
+        raise ApiError(503, "no_sessions", "this service runs without sessions")
+    return service.registry
+
+
+def _install_routes(app: FastAPI) -> None:
+    @app.get("/v1/health")
+    def health(request: Request) -> dict[str, Any]:
+        return _service(request).health()
+
+    @app.get("/v1/capabilities")
+    def capabilities(request: Request, session: Annotated[str | None, Query(max_length=128)] = None
+                     ) -> dict[str, Any]:
+        service = _ready(request)
+        active = set(service.registry.active_names(session)) if session and service.registry else set()
+        return {"capabilities": [{**c.summary(), "active": c.name in active} for c in service.catalog_now()]}
+
+    @app.post("/v1/discover")
+    def discover(request: Request, body: DiscoverBody) -> dict[str, Any]:
+        service = _ready(request)
+        _check_size(body.intent, "intent")
+        return {"candidates": [{"name": n, "score": round(s, 4)} for n, s in service.discover(body.intent,
+                                                                                          body.limit)]}
+
+    @app.post("/v1/route")
+    def route(request: Request, body: RouteBody) -> dict[str, Any]:
+        _check_size(body.message, "message")
+        return _service(request).route(body.message, body.session).as_dict()
+
+    @app.get("/v1/sessions/{session}")
+    def get_session(request: Request, session: str) -> dict[str, Any]:
+        state: dict[str, Any] = _registry(request).get(session).as_dict()
+        return state
+
+    @app.delete("/v1/sessions/{session}")
+    def drop_session(request: Request, session: str) -> dict[str, Any]:
+        plan: dict[str, Any] = _registry(request).drop(session).as_dict()
+        return {"dropped": session, "plan": plan}
+
+    @app.post("/v1/sessions/{session}/enable")
+    def enable(request: Request, session: str, body: NameBody) -> dict[str, Any]:
+        plan: dict[str, Any] = _registry(request).activate(session, body.name, "manual").as_dict()
+        return plan
+
+    @app.post("/v1/sessions/{session}/disable")
+    def disable(request: Request, session: str, body: NameBody) -> dict[str, Any]:
+        plan: dict[str, Any] = _registry(request).deactivate(session, body.name).as_dict()
+        return plan
+
+    @app.post("/v1/sessions/{session}/tool-result")
+    def tool_result(request: Request, session: str, body: ToolResultBody) -> dict[str, Any]:
+        bumped = _registry(request).tool_result(session, body.server, body.tool, body.ok)
+        return {"bumped": bumped}
+
+    @app.post("/v1/reload")
+    def reload(request: Request) -> dict[str, Any]:
+        return _ready(request).reload()
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics(request: Request) -> str:
+        return _service(request).metrics.render()
+
+    @app.get("/v1/capability-tool")
+    def capability_tool() -> dict[str, Any]:
+        return TOOL_SCHEMA
+
+    @app.post("/v1/sessions/{session}/capability")
+    def capability_call(request: Request, session: str,
+                        body: Annotated[CapabilityCall, Body()]) -> dict[str, Any]:
+        service = _ready(request)
+        if body.intent is not None:
+            _check_size(body.intent, "intent")
+        return run_capability_call(service, session, body.action, body.name, body.intent)

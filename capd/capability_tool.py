@@ -1,0 +1,63 @@
+"""The ``capability`` tool an agent hands to its LLM, so the model can manage its own tools.
+
+``GET /v1/capability-tool`` serves :data:`TOOL_SCHEMA` (JSON-schema ``parameters``, the
+shape OpenAI- and Anthropic-style tool definitions share); ``POST
+/v1/sessions/{id}/capability`` executes a call and returns ``text`` for the model plus the
+``plan`` for the agent to apply.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from capd.errors import CapdError
+
+if TYPE_CHECKING:
+    from capd.service import Service
+
+TOOL_SCHEMA: dict[str, Any] = {
+    "name": "capability",
+    "description": (
+        "Manage which tool groups (capabilities) are loaded in this conversation. "
+        "Use 'discover' with an intent to find the right capability, 'enable' to load it, "
+        "'disable' to unload one you no longer need, 'list' to see what exists and what is active."
+    ),
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "action": {"type": "string", "enum": ["list", "discover", "enable", "disable"]},
+            "name": {"type": "string", "description": "Capability name (for enable / disable)."},
+            "intent": {"type": "string", "description": "What you want to do (for discover)."},
+        },
+        "required": ["action"],
+        "additionalProperties": False,
+    },
+}
+
+
+def run_capability_call(service: Service, session: str, action: str, name: str | None,
+                        intent: str | None) -> dict[str, Any]:
+    registry = service.registry
+    assert registry is not None
+    if action == "list":
+        active = set(registry.active_names(session))
+        lines = [f"{'*' if c.name in active else '-'} {c.name}: {c.summary()['description'] or ''}".rstrip(": ")
+                 for c in service.catalog_now()]
+        return {"text": "Capabilities (* = active):\n" + "\n".join(lines), "plan": None}
+    if action == "discover":
+        if not intent:
+            return {"text": "discover needs an 'intent'.", "plan": None, "error": "missing_intent"}
+        found = service.discover(intent, 5)
+        lines = [f"{n} ({s:.2f})" for n, s in found]
+        return {"text": "Best matches: " + ", ".join(lines) + ". Enable one with action 'enable'.", "plan": None,
+                "candidates": [{"name": n, "score": round(s, 4)} for n, s in found]}
+    if not name:
+        return {"text": f"{action} needs a 'name'.", "plan": None, "error": "missing_name"}
+    try:
+        plan = registry.activate(session, name, "manual") if action == "enable" else registry.deactivate(session,
+                                                                                                         name)
+    except CapdError as exc:
+        return {"text": f"Could not {action} {name}: {exc}", "plan": None, "error": type(exc).__name__}
+    verb = "Enabled" if action == "enable" else "Disabled"
+    text = f"{verb} {name}. Active now: {', '.join(plan.active) or 'none'}."
+    return {"text": text, "plan": plan.as_dict()}

@@ -1,0 +1,151 @@
+"""Commands that run or talk to the daemon: serve, status, list, enable, disable.
+
+``route``, ``discover`` and ``list`` run in-process instead when given ``--tap``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from capd.cli.common import EXIT_UNREACHABLE, Failed, build_settings, emit_json
+from capd.client import CapdClient
+from capd.settings import Settings
+
+
+def client_for(settings: Settings) -> CapdClient:
+    return CapdClient(f"http://{settings.host}:{settings.port}", token=settings.token,
+                      uds=str(settings.uds) if settings.uds else None)
+
+
+def daemon_options(func: Any) -> Any:
+    for option in reversed([
+        click.option("--config", "config", type=click.Path(path_type=Path), default=None, help="Config file."),
+        click.option("--host", default=None, help="Daemon host (default 127.0.0.1). Env: CAPD_HOST."),
+        click.option("--port", type=int, default=None, help="Daemon port (default 7171). Env: CAPD_PORT."),
+        click.option("--uds", type=click.Path(path_type=Path), default=None, help="Unix socket path. Env: CAPD_UDS."),
+    ]):
+        func = option(func)
+    return func
+
+
+@click.command()
+@click.option("--tap", "taps", multiple=True, type=click.Path(path_type=Path),
+              help="Tap directory; repeat for several. Env: CAPD_TAPS.")
+@daemon_options
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="Env: CAPD_DATA_DIR.")
+@click.option("--model", default=None, help="Model manifest name. Env: CAPD_MODEL.")
+@click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None)
+@click.option("--rule", type=click.Choice(["capd", "anchor"]), default=None)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: int | None, uds: Path | None,
+          data_dir: Path | None, model: str | None, backend: str | None, rule: str | None,
+          log_level: str | None) -> None:
+    """Run the daemon (HTTP on 127.0.0.1:7171 by default; token from CAPD_TOKEN).
+
+    Example: capd serve --tap taps/core
+    """
+    from capd.daemon import BindError
+    from capd.daemon import serve as run
+
+    settings = build_settings(config, taps=taps, host=host, port=port, uds=uds, data_dir=data_dir, model=model,
+                              backend=backend, rule=rule, log_level=log_level)
+    try:
+        run(settings)
+    except BindError as exc:
+        raise Failed(str(exc), EXIT_UNREACHABLE) from None
+
+
+@click.command()
+@daemon_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status(config: Path | None, host: str | None, port: int | None, uds: Path | None, as_json: bool) -> None:
+    """Is the daemon up and ready? Exit 3 if it does not answer.
+
+    Example: capd status --json
+    """
+    settings = build_settings(config, host=host, port=port, uds=uds)
+    with client_for(settings) as client:
+        health = client.health()
+    if as_json:
+        emit_json(health)
+        return
+    click.echo(f"{health['status']}  ready={health['ready']}  model={health['model']}  "
+               f"capabilities={health['capabilities']}  triggers={health['triggers']}  "
+               f"embedded={health['embedded']}  cached={health['cached']}")
+    for error in health["errors"]:
+        click.echo(f"  {error['file']}: line {error['line']}: {error['reason']}", err=True)
+
+
+@click.command("list")
+@click.option("--tap", "taps", multiple=True, type=click.Path(path_type=Path),
+              help="List these taps in-process instead of asking the daemon.")
+@daemon_options
+@click.option("--session", default=None, help="Mark this session's active capabilities.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def list_(taps: tuple[Path, ...], config: Path | None, host: str | None, port: int | None, uds: Path | None,
+          session: str | None, as_json: bool) -> None:
+    """List capabilities (active ones marked with *).
+
+    Example: capd list --session my-agent
+    """
+    if taps:
+        from capd.taps import load_catalog
+
+        rows = [{**c.summary(), "active": False} for c in load_catalog(taps)]
+    else:
+        with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
+            rows = client.capabilities(session)
+    if as_json:
+        emit_json({"capabilities": rows})
+        return
+    for row in rows:
+        mark = "*" if row["active"] else " "
+        click.echo(f"{mark} {row['name']:<28} {row['kind']:<12} {row['description'] or ''}")
+
+
+def _plan_text(plan: dict[str, Any]) -> str:
+    lines = [f"start {i['server']['name']} for {i['capability']} ({', '.join(i['tools'])})" for i in plan["start"]]
+    lines += [f"{'kill' if i['kill'] else 'strip'} {i['server']} for {i['capability']}" for i in plan["teardown"]]
+    lines.append(f"active: {', '.join(plan['active']) or '-'}")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("session")
+@click.argument("name")
+@daemon_options
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def enable(session: str, name: str, config: Path | None, host: str | None, port: int | None, uds: Path | None,
+           as_json: bool) -> None:
+    """Activate a capability in a session by name; prints the plan.
+
+    Example: capd enable my-agent postgres
+    """
+    with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
+        plan = client.enable(session, name)
+    if as_json:
+        emit_json(plan)
+    else:
+        click.echo(_plan_text(plan))
+
+
+@click.command()
+@click.argument("session")
+@click.argument("name")
+@daemon_options
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def disable(session: str, name: str, config: Path | None, host: str | None, port: int | None, uds: Path | None,
+            as_json: bool) -> None:
+    """Deactivate a capability in a session; prints the plan.
+
+    Example: capd disable my-agent postgres
+    """
+    with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
+        plan = client.disable(session, name)
+    if as_json:
+        emit_json(plan)
+    else:
+        click.echo(_plan_text(plan))

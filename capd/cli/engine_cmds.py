@@ -1,0 +1,140 @@
+"""Commands about the embedding engine: ``capd index`` and ``capd models``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from capd.cli.common import EXIT_ERROR, build_settings, emit_json, settings_options, stderr
+from capd.errors import ModelError
+from capd.models import ModelManifest, availability, load_manifests, manifest_for, resolve
+
+
+class _Bar:
+    """A click progress bar on stderr, shown only on a terminal and only when there is work."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.bar: Any = None
+        self.done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None and total > 0 and sys.stderr.isatty():
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
+            self.bar.__enter__()
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+@click.command()
+@settings_options
+@click.option("--prune", is_flag=True, help="Also drop this model's cached vectors that no configured tap uses.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
+          backend: str | None, prune: bool, as_json: bool) -> None:
+    """Embed the triggers the configured taps need (only what the cache lacks) and print counts.
+
+    Example: capd index --tap taps/core --prune
+    """
+    from capd.encoder import open_encoder
+    from capd.index import TriggerIndex
+    from capd.taps import load_catalog
+    from capd.vectorcache import CachedEmbedder, VectorCache, text_hash
+
+    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend)
+    started = time.perf_counter()
+    catalog = load_catalog(settings.taps)
+    encoder = open_encoder(settings)
+    cache = VectorCache.open(settings.data_dir)
+    bar = _Bar("embedding triggers")
+    try:
+        report = TriggerIndex(encoder.dim).sync(catalog, CachedEmbedder(encoder, cache), progress=bar)
+        bar.close()
+        wanted = {text_hash(t) for capability in catalog for t in capability.triggers}
+        pruned = cache.prune(encoder.model_id, wanted) if prune else 0
+        stored = cache.counts().get(encoder.model_id, 0)
+    finally:
+        bar.close()
+        cache.close()
+    result = {
+        "model": settings.model, "model_id": encoder.model_id, "taps": [str(t) for t in catalog.taps],
+        "capabilities": len(catalog), "triggers": catalog.trigger_count, "embedded": report.embedded,
+        "cached": report.cached, "pruned": pruned, "stored": stored,
+        "cache": str(cache.path) if cache.path else None, "persistent": cache.persistent,
+        "seconds": round(time.perf_counter() - started, 3), "errors": [p.as_dict() for p in catalog.errors],
+    }
+    if as_json:
+        emit_json(result)
+    else:
+        for problem in catalog.errors:
+            stderr(str(problem))
+        if not cache.persistent:
+            stderr("capd: warning: the data directory is not writable; nothing was kept")
+        click.echo(f"embedded {report.embedded}, cached {report.cached}, pruned {pruned}: "
+                   f"{len(catalog)} capabilities, {catalog.trigger_count} triggers, {stored} vectors stored "
+                   f"for {encoder.model_id} ({result['seconds']:.1f} s)")
+    if catalog.errors:
+        raise SystemExit(EXIT_ERROR)
+
+
+def _model_row(manifest: ModelManifest, current: str, backend: str, verify: bool, data_dir: Path) -> dict[str, Any]:
+    from capd.encoder import resolve_backend
+
+    available, where = availability(manifest)
+    row: dict[str, Any] = {
+        **manifest.summary(), "current": manifest.name == current or manifest.source == current,
+        "available": available, "location": where if available else None, "reason": None if available else where,
+        "backend": resolve_backend(backend, manifest.backend) if manifest.source_kind != "builtin" else "hash",
+    }
+    if verify and available:
+        try:
+            resolve(manifest, data_dir)
+            row["verified"] = True
+        except ModelError as exc:
+            row.update(verified=False, available=False, reason=str(exc))
+    return row
+
+
+@click.command()
+@settings_options
+@click.option("--verify", is_flag=True, help="Also check the sha256 of each available model's weights.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def models(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
+           backend: str | None, verify: bool, as_json: bool) -> None:
+    """List model manifests: which are on this machine, their backend and default gates.
+
+    Example: capd models --json
+    """
+    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend)
+    manifests = load_manifests(settings.models_dir)
+    rows = [_model_row(m, settings.model, settings.backend, verify, settings.data_dir) for m in manifests.values()]
+    if settings.model not in manifests:
+        try:
+            rows.append(_model_row(manifest_for(settings), settings.model, settings.backend, verify, settings.data_dir))
+        except ModelError as exc:
+            rows.append({"name": settings.model, "current": True, "available": False, "reason": str(exc)})
+    if as_json:
+        emit_json({"models_dir": str(settings.models_dir), "current": settings.model, "models": rows})
+        return
+    for row in rows:
+        mark = "*" if row["current"] else " "
+        if "gates" not in row:
+            click.echo(f"{mark} {row['name']}  not available: {row['reason']}")
+            continue
+        gates = row["gates"]
+        source = row["source"]
+        origin = f"{source['kind']} {source['value']}" + (f"@{source['revision'][:12]}" if source["revision"] else "")
+        state = "available" if row["available"] else "not available"
+        click.echo(f"{mark} {row['name']:<22} {state:<13} backend {row['backend']:<5} dim {row['dim']:<4} "
+                   f"gates {gates['threshold']:.2f}/{gates['margin']:.2f}/{gates['top_k']}  {origin}")
+        if not row["available"]:
+            click.echo(f"      {row['reason']}")

@@ -1,0 +1,256 @@
+"""Commands that route with the model: discover, route, eval, test, calibrate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from capd.cli.common import EXIT_ERROR, EXIT_USAGE, Failed, build_settings, emit_json, settings_options
+from capd.cli.daemon_cmds import client_for
+from capd.settings import Settings
+
+
+def _service(settings: Settings) -> Any:
+    from capd.service import Service
+
+    return Service(settings).start()
+
+
+def _fmt(value: object) -> str:
+    return "n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def route_text(result: dict[str, Any], explain: list[dict[str, Any]] | None = None) -> str:
+    lines = [f"{result['decision']}: {result['capability'] or '-'}  score {_fmt(result['score'])}  "
+             f"margin {_fmt(result['margin'])}", f"  {result['reason']}"]
+    for candidate in result["candidates"]:
+        lines.append(f"    {candidate['score']:.3f}  {candidate['name']}")
+    for entry in explain or []:
+        lines.append(f"  {entry['name']} {entry['score']:.3f}")
+        lines += [f"      {t['cosine']:.3f}  {t['text']}" for t in entry["triggers"]]
+    plan = result.get("plan")
+    if plan:
+        for item in plan["start"]:
+            lines.append(f"  start {item['server']['name']} for {item['capability']} ({', '.join(item['tools'])})")
+        for item in plan["teardown"]:
+            verb = "kill" if item["kill"] else "strip"
+            lines.append(f"  {verb} {item['server']} for {item['capability']}")
+        lines.append(f"  active: {', '.join(plan['active']) or '-'}")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("intent")
+@settings_options
+@click.option("--limit", default=5, show_default=True, help="How many candidates.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def discover(intent: str, config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
+             backend: str | None, limit: int, as_json: bool) -> None:
+    """Best capabilities for an intent, no gates (the daemon's, or in-process with --tap).
+
+    Example: capd discover "query a postgres table" --tap taps/core
+    """
+    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend)
+    if taps:
+        service = _service(settings)
+        candidates = [{"name": n, "score": round(s, 4)} for n, s in service.discover(intent, limit)]
+    else:
+        with client_for(settings) as client:
+            candidates = client.discover(intent, limit)
+    if as_json:
+        emit_json({"candidates": candidates})
+    else:
+        for candidate in candidates:
+            click.echo(f"{candidate['score']:.3f}  {candidate['name']}")
+
+
+@click.command()
+@click.argument("message")
+@settings_options
+@click.option("--rule", type=click.Choice(["capd", "anchor"]), default=None, help="Routing rule.")
+@click.option("--session", default=None, help="Session id (daemon only): activations update its plan.")
+@click.option("--explain", is_flag=True, help="Show each candidate's best triggers and their cosines.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def route(message: str, config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
+          backend: str | None, rule: str | None, session: str | None, explain: bool, as_json: bool) -> None:
+    """Decide for one message: activate, abstain or skipped, with the reason.
+
+    Asks the running daemon, or routes in-process when given --tap.
+
+    Example: capd route "show me the last five commits" --tap taps/core --explain
+    """
+    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
+    details = None
+    if taps:
+        service = _service(settings)
+        result = service.route(message).as_dict()
+        details = service.explain(message) if explain else None
+    else:
+        if explain:
+            raise Failed("--explain runs in-process: give --tap", EXIT_USAGE)
+        with client_for(settings) as client:
+            result = client.route(session, message)
+    if as_json:
+        emit_json({**result, **({"explain": details} if explain else {})})
+    else:
+        click.echo(route_text(result, details))
+
+
+def _eval_options(func: Any) -> Any:
+    func = click.option("--fixtures", "fixture_files", multiple=True, required=True,
+                        type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                        help="Fixture file (.jsonl); repeat for several.")(func)
+    func = click.option("--rule", type=click.Choice(["capd", "anchor"]), default=None, help="Routing rule.")(func)
+    return settings_options(func)
+
+
+@click.command("eval")
+@_eval_options
+@click.option("--threshold", type=float, default=None, help="Override every tap's threshold.")
+@click.option("--margin", type=float, default=None, help="Override every tap's margin.")
+@click.option("--html", "html", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write a self-contained HTML report here.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
+          backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, threshold: float | None,
+          margin: float | None, html: Path | None, as_json: bool) -> None:
+    """Routing metrics of taps on fixtures: top1, fired_right, fired_wrong, null_fpr, per kind.
+
+    Example: capd eval --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --json
+    """
+    from capd.evaluation import evaluate
+    from capd.fixtures import check_names, load_fixtures
+
+    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
+    fixtures = load_fixtures(fixture_files)
+    service = _service(settings)
+    check_names(fixtures, service.catalog_now().capabilities)
+    result, table, outcome = evaluate(service.router, fixtures, threshold, margin)
+    if html is not None:
+        from capd.report_html import render
+
+        title = f"capd eval: {', '.join(str(t) for t in settings.taps)}"
+        html.write_text(render(result, table, outcome, title), encoding="utf-8")
+    if as_json:
+        emit_json(result)
+        return
+    click.echo(f"{result['n']} rows ({result['positives']} positives, {result['nulls']} nulls), "
+               f"rule {result['rule']}, threshold {_fmt(result['threshold'])}, margin {_fmt(result['margin'])}")
+    for key in ("top1", "fired_right", "fired_wrong", "null_fpr"):
+        click.echo(f"  {key:<12}{_fmt(result[key])}")
+    click.echo("per kind:")
+    for kind, entry in result["per_kind"].items():
+        click.echo(f"  {kind:<16}n={entry['n']:<5} decided right {_fmt(entry['accuracy'])}")
+    if result["confusions"]:
+        click.echo("worst confusions:")
+        for c in result["confusions"]:
+            click.echo(f"  {c['count']:>4}  {c['expected']} -> {c['got']}")
+    if html is not None:
+        click.echo(f"report: {html}")
+
+
+@click.command("test")
+@click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=click.Path(path_type=Path))
+@settings_options
+@click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Write JUnit XML here (for CI).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...], data_dir: Path | None,
+          model: str | None, backend: str | None, junit: Path | None, as_json: bool) -> None:
+    """Run each tap's fixtures/*.jsonl against its fixtures/floors.toml; exit 1 below a floor.
+
+    Example: capd test taps/core --junit routing.xml
+    """
+    from capd.evaluation import evaluate, failing_rows
+    from capd.fixtures import check_names, load_fixtures, tap_fixture_files
+    from capd.floors import check_floors, junit_xml, load_floors
+
+    base = build_settings(config, taps=tap_args or taps, data_dir=data_dir, model=model, backend=backend)
+    reports: list[dict[str, Any]] = []
+    for tap in base.taps:
+        files = tap_fixture_files(tap)
+        if not files:
+            raise Failed(f"{tap}: no fixtures/*.jsonl to test")
+        floors = load_floors(tap)
+        fixtures = load_fixtures(files)
+        service = _service(Settings(**{**base.__dict__, "taps": (tap,)}))
+        check_names(fixtures, service.catalog_now().capabilities)
+        result, table, outcome = evaluate(service.router, fixtures)
+        checks = check_floors(floors, result)
+        reports.append({"tap": str(tap), "floors": str(floors.path) if floors.path else None,
+                        "metrics": {k: result[k] for k in ("n", "top1", "fired_right", "fired_wrong", "null_fpr")},
+                        "checks": [c.as_dict() for c in checks], "passed": all(c.passed for c in checks),
+                        "failing_rows": failing_rows(table, outcome)})
+    if junit is not None:
+        junit.write_text(junit_xml(reports), encoding="utf-8")
+    if as_json:
+        emit_json({"passed": all(r["passed"] for r in reports), "taps": reports})
+    else:
+        for report in reports:
+            status = "PASS" if report["passed"] else "FAIL"
+            click.echo(f"{status} {report['tap']}  " + "  ".join(f"{k} {_fmt(v)}" for k, v in
+                                                               report["metrics"].items()))
+            if report["floors"] is None:
+                click.echo("  no fixtures/floors.toml: nothing to hold the tap to")
+            for check in report["checks"]:
+                mark = "ok  " if check["passed"] else "FAIL"
+                click.echo(f"  {mark} {check['name']} {_fmt(check['value'])} {check['relation']} {check['bound']}")
+            if not report["passed"]:
+                click.echo("  rows decided wrong:")
+                for row in report["failing_rows"][:25]:
+                    click.echo(f"    {row['source']}: expected {row['expect']}, got {row['got']} "
+                               f"(best {row['best']} {row['score']:.3f}, margin {row['margin']:.3f})")
+    if not all(r["passed"] for r in reports):
+        raise SystemExit(EXIT_ERROR)
+
+
+@click.command()
+@_eval_options
+@click.option("--max-null-fpr", default=0.05, show_default=True, help="Highest null_fpr allowed.")
+@click.option("--max-wrong", default=0.03, show_default=True, help="Highest fired_wrong allowed.")
+@click.option("--write", is_flag=True, help="Store the recommended gates in <tap>/capd.toml.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
+              backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, max_null_fpr: float,
+              max_wrong: float, write: bool, as_json: bool) -> None:
+    """Sweep the gates, recommend the point with most fired_right within the limits.
+
+    Example: capd calibrate --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --write
+    """
+    from capd.calibrate import calibrate as run_calibration
+    from capd.calibrate import write_gates
+    from capd.fixtures import check_names, load_fixtures
+
+    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
+    fixtures = load_fixtures(fixture_files)
+    service = _service(settings)
+    check_names(fixtures, service.catalog_now().capabilities)
+    report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong)
+    point = report["recommended"]
+    if write and point is not None:
+        report["written"] = [str(write_gates(Path(t), point, settings.model)) for t in settings.taps]
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(f"fit on {report['rows']['fit']} rows, checked on {report['rows']['held_out']} held-out rows; "
+                   f"limits null_fpr <= {max_null_fpr}, fired_wrong <= {max_wrong}")
+        click.echo("operating curve (best point per threshold):")
+        click.echo("  top_k threshold margin  fired_right fired_wrong null_fpr")
+        for p in report["curve"][:: max(1, len(report["curve"]) // 15)]:
+            click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f} {p['fired_right']:>11.3f} "
+                       f"{p['fired_wrong']:>11.3f} {p['null_fpr']:>8.3f}")
+        if point is None:
+            click.echo("no gate setting meets the limits")
+        else:
+            click.echo(f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, "
+                       f"margin {point['margin']:.3f}")
+            for label in ("fit", "held_out"):
+                m = report[label]
+                click.echo(f"  {label:<9} fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}"
+                           f"  null_fpr {_fmt(m['null_fpr'])}  top1 {_fmt(m['top1'])}")
+            for path in report.get("written", []):
+                click.echo(f"wrote {path}")
+    if point is None:
+        raise SystemExit(EXIT_ERROR)

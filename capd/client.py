@@ -1,0 +1,124 @@
+"""The Python client of the capd daemon (also what the CLI uses).
+
+Example, before each agent turn::
+
+    from capd.client import CapdClient
+
+    with CapdClient() as capd:
+        result = capd.route("session-1", user_message)
+        apply(result["plan"])        # start / stop MCP servers, adjust the tool list
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from capd.errors import ClientError, DaemonUnreachable, UnknownCapability, UnknownSession
+
+
+class ApiError(ClientError):
+    """The daemon answered with an error: ``status``, ``error`` code and ``detail``."""
+
+    def __init__(self, status: int, error: str, detail: str) -> None:
+        super().__init__(f"{status} {error}: {detail}")
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+class CapdClient:
+    def __init__(self, url: str = "http://127.0.0.1:7171", token: str | None = None, uds: str | None = None,
+                 timeout: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self.url = url if not uds else "http://capd"
+        self._where = uds or url
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+
+    def __enter__(self) -> CapdClient:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+              params: dict[str, str] | None = None) -> Any:
+        try:
+            response = self._http.request(method, path, json=body, params=params)
+        except httpx.TransportError as exc:
+            raise DaemonUnreachable(f"no capd daemon answering at {self._where} ({exc.__class__.__name__}); "
+                                    "start one with `capd serve` (or `make serve` in a checkout)") from None
+        if response.status_code >= 400:
+            try:
+                payload = response.json()
+                error, detail = str(payload.get("error")), str(payload.get("detail"))
+            except ValueError:
+                error, detail = "http_error", response.text[:200]
+            if error == "unknown_session":
+                raise UnknownSession(detail)
+            if error == "unknown_capability":
+                raise UnknownCapability(detail)
+            raise ApiError(response.status_code, error, detail)
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/v1/health")
+        return result
+
+    def route(self, session: str | None, message: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", "/v1/route", {"session": session, "message": message})
+        return result
+
+    def discover(self, intent: str, limit: int = 5) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call("POST", "/v1/discover", {"intent": intent,
+                                                                           "limit": limit})["candidates"]
+        return result
+
+    def capabilities(self, session: str | None = None) -> list[dict[str, Any]]:
+        params = {"session": session} if session else None
+        result: list[dict[str, Any]] = self._call("GET", "/v1/capabilities", params=params)["capabilities"]
+        return result
+
+    def session(self, session: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", f"/v1/sessions/{session}")
+        return result
+
+    def drop(self, session: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("DELETE", f"/v1/sessions/{session}")
+        return result
+
+    def enable(self, session: str, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/enable", {"name": name})
+        return result
+
+    def disable(self, session: str, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/disable", {"name": name})
+        return result
+
+    def tool_result(self, session: str, server: str, tool: str, ok: bool) -> list[str]:
+        result: list[str] = self._call("POST", f"/v1/sessions/{session}/tool-result",
+                                       {"server": server, "tool": tool, "ok": ok})["bumped"]
+        return result
+
+    def reload(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", "/v1/reload")
+        return result
+
+    def capability_tool(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/v1/capability-tool")
+        return result
+
+    def capability_call(self, session: str, action: str, name: str | None = None,
+                        intent: str | None = None) -> dict[str, Any]:
+        body = {"action": action, "name": name, "intent": intent}
+        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/capability", body)
+        return result

@@ -1,0 +1,198 @@
+"""Routing metrics over fixtures (DESIGN.md "Fixture format").
+
+The expensive part — embedding every message and scoring it against every capability —
+is done once into a :class:`ScoreTable`; gates are then applied with numpy, so
+``capd calibrate`` can sweep thousands of gate settings in seconds.
+
+Metrics: ``top1`` (positives whose best capability is expected, gates ignored),
+``fired_right`` / ``fired_wrong`` (positives where the router activated an expected /
+another capability), ``null_fpr`` (nulls where it activated anything). A message
+skipped by the short-input gate counts as an abstention.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from capd.fixtures import Fixture
+from capd.router import Router
+from capd.text import clean_message
+
+
+@dataclass(frozen=True)
+class ScoreTable:
+    """Scores of every fixture message against every capability, for one rule and top_k."""
+
+    fixtures: tuple[Fixture, ...]
+    names: tuple[str, ...]
+    scores: np.ndarray  # [rows, capabilities]
+    routable: np.ndarray  # bool [rows]: passed the short-input gate
+    expected: np.ndarray  # bool [rows, capabilities]
+
+    @property
+    def positive(self) -> np.ndarray:
+        return np.asarray(self.expected.any(axis=1))
+
+    def top2(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(winner index, top1 score, top2 score) per row; top2 = 0 with one capability."""
+        n = self.scores.shape[1]
+        winner = self.scores.argmax(axis=1)
+        top1 = self.scores[np.arange(len(winner)), winner]
+        if n < 2:
+            return winner, top1, np.zeros_like(top1)
+        part = np.partition(self.scores, n - 2, axis=1)
+        return winner, top1, part[:, n - 2]
+
+    def subset(self, rows: np.ndarray) -> ScoreTable:
+        return ScoreTable(tuple(self.fixtures[i] for i in rows), self.names, self.scores[rows], self.routable[rows],
+                          self.expected[rows])
+
+
+def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None = None) -> ScoreTable:
+    names = router.index.names
+    position = {n: i for i, n in enumerate(names)}
+    texts: list[str] = []
+    routable = np.zeros(len(fixtures), dtype=bool)
+    expected = np.zeros((len(fixtures), len(names)), dtype=bool)
+    for row, fixture in enumerate(fixtures):
+        text, ok = clean_message(fixture.message, router.min_chars)
+        texts.append(text)
+        routable[row] = ok
+        for name in fixture.expect:
+            if name in position:
+                expected[row, position[name]] = True
+    vectors = router.encoder.embed(texts)
+    scores = router.index.capability_scores(vectors, top_k or router.top_k)
+    return ScoreTable(tuple(fixtures), names, np.asarray(scores, dtype=np.float32), routable, expected)
+
+
+def gate_arrays(router: Router, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-capability threshold and margin (the winner's tap gates apply)."""
+    gates = [router._gates_for(n) for n in names]
+    return (np.array([g.threshold for g in gates], dtype=np.float32),
+            np.array([g.margin for g in gates], dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Per-row results of applying gates to a score table."""
+
+    winner: np.ndarray
+    fired: np.ndarray
+    correct: np.ndarray  # the winner is an expected capability
+    top1: np.ndarray
+    margin: np.ndarray
+
+
+def apply_gates(table: ScoreTable, threshold: np.ndarray | float, margin: np.ndarray | float) -> Outcome:
+    winner, top1, top2 = table.top2()
+    thr = threshold[winner] if isinstance(threshold, np.ndarray) else threshold
+    mar = margin[winner] if isinstance(margin, np.ndarray) else margin
+    gap = top1 - top2
+    fired = table.routable & (top1 >= thr) & (gap >= mar)
+    correct = table.expected[np.arange(len(winner)), winner]
+    return Outcome(winner, fired, correct, top1, gap)
+
+
+def _share(numerator: np.ndarray, denominator: int) -> float | None:
+    return round(float(numerator.sum()) / denominator, 4) if denominator else None
+
+
+def metrics(table: ScoreTable, outcome: Outcome) -> dict[str, Any]:
+    positive = table.positive
+    p, n = int(positive.sum()), int((~positive).sum())
+    right_rows = outcome.fired & outcome.correct
+    wrong_rows = outcome.fired & ~outcome.correct & positive
+    return {
+        "n": len(table.fixtures),
+        "positives": p,
+        "nulls": n,
+        "top1": _share(positive & outcome.correct, p),
+        "fired_right": _share(right_rows, p),
+        "fired_wrong": _share(wrong_rows, p),
+        "null_fpr": _share(outcome.fired & ~positive, n),
+        "skipped": int((~table.routable).sum()),
+    }
+
+
+def row_ok(table: ScoreTable, outcome: Outcome) -> np.ndarray:
+    """True where the router did the right thing: fired an expected capability, or abstained on a null."""
+    return np.where(table.positive, outcome.fired & outcome.correct, ~outcome.fired)
+
+
+def breakdown(table: ScoreTable, outcome: Outcome, worst: int = 10) -> dict[str, Any]:
+    """Per-kind results, per-capability recall and the most frequent confusions."""
+    ok = row_ok(table, outcome)
+    kinds: dict[str, Any] = {}
+    for kind in sorted({f.kind for f in table.fixtures}):
+        rows = np.array([f.kind == kind for f in table.fixtures])
+        sub = table.subset(np.flatnonzero(rows))
+        sub_out = Outcome(outcome.winner[rows], outcome.fired[rows], outcome.correct[rows], outcome.top1[rows],
+                          outcome.margin[rows])
+        kinds[kind] = {**metrics(sub, sub_out), "accuracy": _share(ok[rows], int(rows.sum()))}
+    recall: dict[str, dict[str, Any]] = {}
+    confusions: Counter[tuple[str, str]] = Counter()
+    for row, fixture in enumerate(table.fixtures):
+        got = table.names[outcome.winner[row]]
+        if fixture.positive and len(fixture.expect) == 1:
+            entry = recall.setdefault(fixture.expect[0], {"n": 0, "fired_right": 0})
+            entry["n"] += 1
+            entry["fired_right"] += int(outcome.fired[row] and outcome.correct[row])
+        if not outcome.correct[row] and (fixture.positive or outcome.fired[row]):
+            expected = "/".join(fixture.expect) if fixture.expect else "(abstain)"
+            confusions[(expected, got)] += 1
+    for entry in recall.values():
+        entry["recall"] = round(entry["fired_right"] / entry["n"], 4)
+    return {
+        "per_kind": kinds,
+        "per_capability": dict(sorted(recall.items())),
+        "confusions": [{"expected": e, "got": g, "count": c} for (e, g), c in confusions.most_common(worst)],
+    }
+
+
+def failing_rows(table: ScoreTable, outcome: Outcome) -> list[dict[str, Any]]:
+    ok = row_ok(table, outcome)
+    rows = []
+    for row in np.flatnonzero(~ok):
+        fixture = table.fixtures[row]
+        rows.append({
+            "source": fixture.source,
+            "message": fixture.message,
+            "kind": fixture.kind,
+            "expect": list(fixture.expect) or None,
+            "got": table.names[outcome.winner[row]] if outcome.fired[row] else None,
+            "best": table.names[outcome.winner[row]],
+            "score": round(float(outcome.top1[row]), 4),
+            "margin": round(float(outcome.margin[row]), 4),
+        })
+    return rows
+
+
+def evaluate(router: Router, fixtures: Sequence[Fixture], threshold: float | None = None,
+             margin: float | None = None) -> tuple[dict[str, Any], ScoreTable, Outcome]:
+    """Metrics of the router on fixtures; threshold / margin override every tap's gates."""
+    table = score_table(router, fixtures)
+    thr, mar = gate_arrays(router, table.names)
+    outcome = apply_gates(table, threshold if threshold is not None else thr, margin if margin is not None else mar)
+    result = metrics(table, outcome)
+    result.update({
+        "rule": router.rule,
+        "threshold": threshold if threshold is not None else _uniform(thr),
+        "margin": margin if margin is not None else _uniform(mar),
+        "top_k": router.top_k,
+        "capabilities": len(table.names),
+    })
+    result.update(breakdown(table, outcome))
+    return result, table, outcome
+
+
+def _uniform(values: np.ndarray) -> float | str | None:
+    if values.size == 0:
+        return None
+    unique = np.unique(values)
+    return round(float(unique[0]), 4) if unique.size == 1 else "per-tap"

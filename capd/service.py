@@ -1,0 +1,279 @@
+"""The one service object that the daemon, the CLI and the tests all go through.
+
+It owns the catalog, the encoder (micro-batched), the vector cache, the trigger index,
+the router and — in the daemon — the session registry. Reads go through an immutable
+snapshot (catalog + router) that a reload replaces in one assignment, so no request ever
+sees half a catalog. Slow work (embedding new triggers) happens before the swap, outside
+the lock; the swap itself only moves cached vectors into the index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from capd.batching import MicroBatcher
+from capd.catalog import Capability, Catalog, Problem
+from capd.encoder import Encoder, open_encoder
+from capd.errors import UnknownCapability
+from capd.index import TriggerIndex
+from capd.metrics import Metrics
+from capd.models import manifest_for
+from capd.router import Decision, GateBook, Gates, Router, build_gatebook
+from capd.sessions import Plan, SessionRegistry
+from capd.settings import Settings
+from capd.state import SessionStore
+from capd.taps import TapLoad, assemble, capability_dirs, load_capability, load_tap_config
+from capd.text import clean_message
+from capd.vectorcache import CachedEmbedder, VectorCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    catalog: Catalog
+    router: Router
+
+
+@dataclass
+class Counters:
+    embedded: int = 0
+    cached: int = 0
+    reloads: int = 0
+
+
+@dataclass(frozen=True)
+class RouteResult:
+    decision: Decision
+    plan: Plan | None = None
+    latency_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.decision.as_dict(), "plan": self.plan.as_dict() if self.plan else None}
+
+
+@dataclass
+class _TapState:
+    """Per-tap load results, so a reload can redo only the capabilities whose files changed."""
+
+    capabilities: dict[str, Capability] = field(default_factory=dict)
+    problems: dict[str, list[Problem]] = field(default_factory=dict)
+
+
+class Service:
+    def __init__(self, settings: Settings, encoder: Encoder | None = None, sessions: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.counters = Counters()
+        self._encoder_override = encoder
+        self._want_sessions = sessions
+        self._clock = clock
+        self._lock = threading.RLock()  # serialises reloads
+        self._snapshot: Snapshot | None = None
+        self._taps: dict[Path, _TapState] = {}
+        self._tap_errors: list[Problem] = []
+        self.encoder: Encoder | None = None
+        self.embedder: CachedEmbedder | None = None
+        self.index: TriggerIndex | None = None
+        self.registry: SessionRegistry | None = None
+        self.started_at = time.monotonic()
+        self.ready_after: float | None = None
+        self.startup_error: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._snapshot is not None
+
+    def start(self) -> Service:
+        """Load the model, the cache and the taps; build the index. Blocking; call once."""
+        try:
+            base = self._encoder_override or open_encoder(self.settings)
+            self.encoder = MicroBatcher(base)
+            self.embedder = CachedEmbedder(self.encoder, self._open_cache())
+            self.index = TriggerIndex(self.encoder.dim)
+            if self._want_sessions:
+                store = SessionStore(self.settings.data_dir / "sessions.sqlite3")
+                self.registry = SessionRegistry(store, self.catalog_now, max_active=self.settings.max_active,
+                                                pinned=self.settings.pinned, clock=self._clock,
+                                                ttl=self.settings.session_ttl)
+            self.reload()
+        except Exception as exc:
+            self.startup_error = str(exc)
+            raise
+        self.ready_after = time.monotonic() - self.started_at
+        self._register_gauges()
+        return self
+
+    def _open_cache(self) -> VectorCache:
+        return VectorCache.open(self.settings.data_dir)
+
+    def close(self) -> None:
+        if isinstance(self.encoder, MicroBatcher):
+            self.encoder.close()
+
+    def _register_gauges(self) -> None:
+        self.metrics.gauge("capd_capabilities", "Capabilities in the catalog.", lambda: len(self.catalog_now()))
+        self.metrics.gauge("capd_index_triggers", "Trigger vectors in the index.",
+                           lambda: self.index.trigger_count if self.index else 0)
+        self.metrics.gauge("capd_sessions", "Live sessions.",
+                           lambda: len(self.registry.sessions()) if self.registry else 0)
+        self.metrics.gauge("capd_triggers_embedded", "Trigger texts this process had to embed.",
+                           lambda: self.counters.embedded)
+        self.metrics.gauge("capd_triggers_cached", "Trigger texts served from the vector cache.",
+                           lambda: self.counters.cached)
+
+    # -- catalog ---------------------------------------------------------------------------
+
+    def catalog_now(self) -> Catalog:
+        snapshot = self._snapshot
+        if snapshot is None:
+            return Catalog(taps=tuple(self.settings.taps), capabilities={})
+        return snapshot.catalog
+
+    def _load_taps(self, changed: Iterable[Path] | None) -> Catalog:
+        """Rescan everything (``changed`` None) or only the capability folders touched by ``changed``."""
+        taps = [Path(t).expanduser().absolute() for t in self.settings.taps]
+        targets = None if changed is None else {Path(p).absolute() for p in changed}
+        loads: list[TapLoad] = []
+        for tap in taps:
+            state = self._taps.setdefault(tap, _TapState())
+            if not (tap / "capabilities").is_dir():
+                # A tap that vanished (deleted, renamed, mid-checkout) keeps serving its last good
+                # capabilities until it comes back; the error shows in health and the log.
+                missing = Problem("error", str(tap), "tap directory is missing or has no capabilities/; serving "
+                                  f"its last good {len(state.capabilities)} capabilities", code="missing-tap")
+                loads.append((list(state.capabilities.values()), [missing], None))
+                continue
+            dirs = capability_dirs(tap)
+            names = {d.name for d in dirs}
+            for gone in set(state.capabilities) | set(state.problems):
+                if gone not in names:
+                    state.capabilities.pop(gone, None)
+                    state.problems.pop(gone, None)
+            for directory in dirs:
+                if targets is not None and directory.name in state.capabilities | state.problems and not any(
+                        t == directory or directory in t.parents or t in directory.parents for t in targets):
+                    continue
+                capability, problems = load_capability(tap, directory)
+                state.problems[directory.name] = problems
+                if capability is not None:
+                    state.capabilities[directory.name] = capability
+                elif directory.name in state.capabilities:
+                    # Keep the last good version of a capability whose files just broke.
+                    log.error("keeping the last good version of %s: %s", directory.name,
+                              "; ".join(str(p) for p in problems))
+            tap_problems = [p for ps in state.problems.values() for p in ps]
+            config, found = load_tap_config(tap)
+            loads.append((list(state.capabilities.values()), tap_problems + found, config))
+        return assemble(taps, loads)
+
+    def reload(self, changed: Iterable[Path] | None = None) -> dict[str, Any]:
+        """Rescan taps and swap in the new catalog atomically; returns what changed."""
+        assert self.embedder is not None and self.index is not None and self.encoder is not None
+        with self._lock:
+            catalog = self._load_taps(changed)
+            report = self.index.sync(catalog, self.embedder)
+            self.counters.embedded += report.embedded
+            self.counters.cached += report.cached
+            self.counters.reloads += 1
+            router = Router(self.encoder, self.index, catalog, self._gatebook(catalog), rule=self.settings.rule,
+                            min_chars=self.settings.min_chars)
+            self._snapshot = Snapshot(catalog, router)
+        for problem in catalog.errors:
+            log.error("tap error: %s", problem)
+        return {"capabilities": len(catalog), "added": list(report.added), "removed": list(report.removed),
+                "changed": list(report.changed), "embedded": report.embedded, "cached": report.cached,
+                "errors": [p.as_dict() for p in catalog.errors]}
+
+    def _gatebook(self, catalog: Catalog) -> GateBook:
+        manifest = manifest_for(self.settings)
+        overrides = {"threshold": self.settings.threshold, "margin": self.settings.margin,
+                     "top_k": self.settings.top_k}
+        model_gates = Gates(manifest.threshold, manifest.margin, manifest.top_k)
+        return build_gatebook(model_gates, catalog, overrides, model=manifest.name)
+
+    @property
+    def router(self) -> Router:
+        snapshot = self._snapshot
+        if snapshot is None:
+            raise RuntimeError("service not started")
+        return snapshot.router
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def route(self, message: str, session: str | None = None) -> RouteResult:
+        started = time.perf_counter()
+        snapshot = self._snapshot
+        if snapshot is None:
+            result = RouteResult(Decision("skipped", "warming up: the model and index are loading"))
+        else:
+            result = self._route(snapshot, message, session)
+        elapsed = time.perf_counter() - started
+        self.metrics.observe_route(elapsed)
+        self.metrics.inc("capd_decisions_total", "Routing decisions by kind.", decision=result.decision.decision)
+        d = result.decision
+        log.info("route session=%s decision=%s capability=%s score=%s margin=%s latency_ms=%.2f", session,
+                 d.decision, d.capability, None if d.score is None else round(d.score, 4),
+                 None if d.margin is None else round(d.margin, 4), elapsed * 1000)
+        return RouteResult(d, result.plan, elapsed * 1000)
+
+    def _route(self, snapshot: Snapshot, message: str, session: str | None) -> RouteResult:
+        router = snapshot.router
+        text, long_enough = clean_message(message, router.min_chars)
+        if not long_enough:
+            decision = Decision("skipped", f"too short: fewer than {router.min_chars} characters after "
+                                "removing tags")
+            return RouteResult(decision, self._session_plan(session))
+        vector = router.encoder.embed([text])[0]
+        if session is None or self.registry is None:
+            return RouteResult(router.decide(vector, ()))
+        with self.registry.locked(session):
+            decision = router.decide(vector, self.registry.active_names(session))
+            if decision.decision == "activate" and decision.capability is not None:
+                plan = self.registry.activate(session, decision.capability, "auto")
+            else:
+                plan = self.registry.reconcile(session)
+        return RouteResult(decision, plan)
+
+    def _session_plan(self, session: str | None) -> Plan | None:
+        if session is None or self.registry is None:
+            return None
+        return self.registry.reconcile(session)
+
+    def discover(self, intent: str, limit: int = 5) -> list[tuple[str, float]]:
+        return self.router.discover(intent, limit)
+
+    def explain(self, message: str, limit: int = 5) -> list[dict[str, Any]]:
+        return self.router.explain(message, limit)
+
+    def capability(self, name: str) -> Capability:
+        capability = self.catalog_now().get(name)
+        if capability is None:
+            raise UnknownCapability(name)
+        return capability
+
+    # -- health ----------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        catalog = self.catalog_now()
+        return {
+            "status": "error" if self.startup_error else "ok" if self.ready else "starting",
+            "ready": self.ready,
+            "model": self.encoder.model_id if self.encoder else self.settings.model,
+            "capabilities": len(catalog),
+            "triggers": catalog.trigger_count,
+            "embedded": self.counters.embedded,
+            "cached": self.counters.cached,
+            "errors": [{"file": p.file, "line": p.line, "reason": p.reason} for p in catalog.errors],
+            "startup_error": self.startup_error,
+        }
+

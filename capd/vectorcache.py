@@ -1,0 +1,338 @@
+"""The content-hash vector cache: (model_id, sha256 of the exact text) → float32 vector.
+
+One SQLite file, ``<data_dir>/vectors.sqlite3``, in WAL mode so that readers never wait for
+a writer. Writes are short ``BEGIN IMMEDIATE`` transactions with a generous busy timeout,
+so several threads (one connection, one lock) and several processes can fill it at once;
+``INSERT OR IGNORE`` makes racing writers of the same key harmless.
+
+Failure policy (losing the cache only costs time, so it never stops capd):
+
+- a corrupt file, or a foreign one (another program's SQLite database, or a different
+  schema version), is renamed to ``vectors.sqlite3.corrupt-<timestamp>`` with a logged
+  warning, and a fresh cache is created in its place;
+- a data directory that cannot be written (read-only, or not creatable) gives an
+  in-memory cache for this process, with a logged warning; ``persistent`` is then False.
+  It still de-duplicates within the process; nothing is kept.
+
+:class:`CachedEmbedder` puts an encoder in front of the cache: it embeds only the texts
+whose hashes are missing, and each distinct text once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+from filelock import FileLock
+
+from capd.encoder import Encoder, Vectors
+from capd.errors import CacheError
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "vectors.sqlite3"
+APPLICATION_ID = 0x63617064  # "capd": marks the file as ours
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 60.0
+CHUNK = 500  # SQL parameters per statement
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS vectors (
+    model_id TEXT NOT NULL,
+    text_hash TEXT NOT NULL,
+    dim INTEGER NOT NULL,
+    vector BLOB NOT NULL,
+    PRIMARY KEY (model_id, text_hash)
+) WITHOUT ROWID
+"""
+
+Progress = Callable[[int, int], None]
+_T = TypeVar("_T")
+
+
+def text_hash(text: str) -> str:
+    """sha256 hex of the exact text (no normalisation: changed text must re-embed)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class _Unusable(Exception):
+    """The file exists but is not a usable capd cache (corrupt or foreign)."""
+
+
+class VectorCache:
+    """SQLite-backed vector store. ``VectorCache.open(data_dir)`` is the usual entry point."""
+
+    def __init__(self, path: Path | None) -> None:
+        """``path`` None gives an in-memory cache (nothing persists)."""
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn = self._connect_with_recovery() if path is not None else self._memory()
+
+    @classmethod
+    def open(cls, data_dir: Path) -> VectorCache:
+        """The cache of a data directory; in memory, with a warning, when it cannot be written."""
+        path = data_dir / CACHE_FILE
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            return cls(path)
+        except (OSError, sqlite3.OperationalError, CacheError) as exc:
+            log.warning("vector cache %s cannot be used (%s); using an in-memory cache: vectors will be "
+                        "re-embedded on every start until the data directory is writable", path, exc)
+            return cls(None)
+
+    @property
+    def persistent(self) -> bool:
+        return self.path is not None
+
+    # -- opening -------------------------------------------------------------------------------
+
+    def _memory(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        conn.execute(_SCHEMA)
+        return conn
+
+    def _connect_with_recovery(self) -> sqlite3.Connection:
+        assert self.path is not None
+        try:
+            return self._connect(self.path)
+        except _Unusable as exc:
+            with FileLock(str(self.path) + ".lock", timeout=BUSY_TIMEOUT_S):
+                try:  # another process may have replaced it already
+                    return self._connect(self.path)
+                except _Unusable:
+                    self._set_aside(self.path, str(exc))
+                return self._connect(self.path)
+
+    def _replace_corrupt(self, why: str) -> sqlite3.Connection:
+        """Called when a query found the file corrupt: set it aside unless another process already did."""
+        assert self.path is not None
+        with FileLock(str(self.path) + ".lock", timeout=BUSY_TIMEOUT_S):
+            try:
+                conn = self._connect(self.path)
+                if conn.execute("PRAGMA quick_check").fetchone()[0] == "ok":
+                    return conn
+                conn.close()
+            except (_Unusable, sqlite3.DatabaseError):
+                pass
+            self._set_aside(self.path, why)
+            return self._connect(self.path)
+
+    @staticmethod
+    def _connect(path: Path) -> sqlite3.Connection:
+        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        try:
+            _check_or_init(conn, path)
+        except _Unusable:
+            conn.close()
+            raise
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            if isinstance(exc, sqlite3.OperationalError) and _is_access_error(exc):
+                raise CacheError(f"{path}: cannot open the vector cache: {exc}") from None
+            raise _Unusable(f"not a readable SQLite database ({exc})") from None
+        return conn
+
+    @staticmethod
+    def _set_aside(path: Path, why: str) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+        log.warning("vector cache %s is unusable (%s); moved it to %s and starting a new one", path, why, aside)
+        try:
+            path.rename(aside)
+            for suffix in ("-wal", "-shm"):
+                side = path.with_name(path.name + suffix)
+                if side.exists():
+                    side.rename(aside.with_name(aside.name + suffix))
+        except OSError as exc:
+            raise CacheError(f"{path}: the vector cache is unusable ({why}) and cannot be moved aside: {exc}") \
+                from None
+
+    # -- operations --------------------------------------------------------------------------
+
+    def _execute(self, immediate: bool, operation: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``operation`` in one transaction; a file found corrupt mid-run is replaced once."""
+        with self._lock:
+            try:
+                return _in_transaction(self._conn, immediate, operation)
+            except sqlite3.OperationalError as exc:  # locked past the timeout, disk full, read-only
+                raise CacheError(f"{self.path or 'in-memory vector cache'}: {exc}") from None
+            except sqlite3.DatabaseError as exc:  # "database disk image is malformed" and friends
+                if self.path is None:
+                    raise CacheError(f"in-memory vector cache: {exc}") from None
+                self._conn.close()
+                self._conn = self._replace_corrupt(str(exc))
+                return _in_transaction(self._conn, immediate, operation)
+
+    def get_many(self, model_id: str, hashes: Sequence[str]) -> dict[str, Vectors]:
+        """Vectors found for these text hashes (missing ones are simply absent)."""
+        unique = list(dict.fromkeys(hashes))
+
+        def read(conn: sqlite3.Connection) -> dict[str, Vectors]:
+            found: dict[str, Vectors] = {}
+            for start in range(0, len(unique), CHUNK):
+                chunk = unique[start:start + CHUNK]
+                marks = ",".join("?" * len(chunk))
+                rows = conn.execute(f"SELECT text_hash, dim, vector FROM vectors WHERE model_id = ? "
+                                    f"AND text_hash IN ({marks})", [model_id, *chunk])
+                for key, dim, blob in rows:
+                    if len(blob) == dim * 4:  # a short blob is a torn row: treat it as missing
+                        found[key] = np.frombuffer(blob, dtype="<f4").astype(np.float32)
+            return found
+
+        return self._execute(False, read)
+
+    def put_many(self, model_id: str, items: Iterable[tuple[str, Any]]) -> int:
+        """Store ``(text hash, vector)`` pairs; returns how many were new."""
+        rows = []
+        for key, vector in items:
+            array = np.ascontiguousarray(vector, dtype="<f4").reshape(-1)
+            rows.append((model_id, key, int(array.shape[0]), array.tobytes()))
+        if not rows:
+            return 0
+
+        def write(conn: sqlite3.Connection) -> int:
+            before = conn.total_changes
+            conn.executemany("INSERT OR IGNORE INTO vectors (model_id, text_hash, dim, vector) VALUES (?, ?, ?, ?)",
+                             rows)
+            return conn.total_changes - before
+
+        return self._execute(True, write)
+
+    def prune(self, model_id: str, keep_hashes: Iterable[str]) -> int:
+        """Delete this model's vectors whose hash is not in ``keep_hashes``; returns how many."""
+        keep = [(h,) for h in set(keep_hashes)]
+
+        def delete(conn: sqlite3.Connection) -> int:
+            conn.execute("CREATE TEMP TABLE IF NOT EXISTS keep (h TEXT PRIMARY KEY)")
+            conn.execute("DELETE FROM keep")
+            conn.executemany("INSERT OR IGNORE INTO keep (h) VALUES (?)", keep)
+            cursor = conn.execute("DELETE FROM vectors WHERE model_id = ? AND text_hash NOT IN (SELECT h FROM keep)",
+                                  (model_id,))
+            conn.execute("DELETE FROM keep")
+            return cursor.rowcount
+
+        return self._execute(True, delete)
+
+    def counts(self) -> dict[str, int]:
+        """Number of stored vectors per model id."""
+
+        def count(conn: sqlite3.Connection) -> dict[str, int]:
+            rows = conn.execute("SELECT model_id, COUNT(*) FROM vectors GROUP BY model_id ORDER BY model_id")
+            return {str(model): int(n) for model, n in rows}
+
+        return self._execute(False, count)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> VectorCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _in_transaction(conn: sqlite3.Connection, immediate: bool, operation: Callable[[sqlite3.Connection], _T]) -> _T:
+    conn.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
+    try:
+        result = operation(conn)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
+
+
+def _is_access_error(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc).lower()
+    return any(s in text for s in ("unable to open", "readonly", "read-only", "permission", "disk i/o"))
+
+
+def _check_or_init(conn: sqlite3.Connection, path: Path) -> None:
+    """Accept our own file, initialise an empty one, reject anything else with :class:`_Unusable`."""
+    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    app_id = conn.execute("PRAGMA application_id").fetchone()[0]  # reads the header: fails if corrupt
+    if app_id not in (0, APPLICATION_ID):
+        raise _Unusable(f"application id {app_id:#x} is not capd's")
+    if app_id == 0 and conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+        raise _Unusable("a SQLite database of another program")
+    if conn.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
+        raise CacheError(f"{path}: cannot switch the vector cache to WAL mode")
+    if app_id == 0:
+        conn.execute("BEGIN IMMEDIATE")
+        try:  # re-check inside the write lock: another process may have initialised it meanwhile
+            if conn.execute("PRAGMA application_id").fetchone()[0] == 0:
+                conn.execute(_SCHEMA)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version != SCHEMA_VERSION:
+        raise _Unusable(f"schema version {version}, expected {SCHEMA_VERSION}")
+
+
+class CachedEmbedder:
+    """An encoder behind the cache: only missing hashes are embedded, each distinct text once."""
+
+    def __init__(self, encoder: Encoder, cache: VectorCache, batch_size: int = 64) -> None:
+        self.encoder = encoder
+        self.cache = cache
+        self.batch_size = batch_size
+
+    @property
+    def model_id(self) -> str:
+        return self.encoder.model_id
+
+    @property
+    def dim(self) -> int:
+        return self.encoder.dim
+
+    def embed(self, texts: Sequence[str], progress: Progress | None = None) -> tuple[Vectors, int, int]:
+        """``(vectors [len(texts), dim], embedded, cached)``.
+
+        ``embedded`` counts distinct texts this call had to embed, ``cached`` distinct texts
+        served from the cache; together they are the number of distinct texts. ``progress``
+        is called as ``progress(done, total)`` over the texts to embed, starting at (0, total).
+        """
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not one string")
+        distinct = list(dict.fromkeys(texts))
+        hashes = {t: text_hash(t) for t in distinct}
+        try:
+            found = self.cache.get_many(self.model_id, list(hashes.values()))
+        except CacheError as exc:
+            log.warning("vector cache read failed (%s); embedding everything", exc)
+            found = {}
+        vectors: dict[str, Vectors] = {t: found[h] for t, h in hashes.items()
+                                       if h in found and found[h].shape[0] == self.dim}
+        missing = [t for t in distinct if t not in vectors]
+        if progress:
+            progress(0, len(missing))
+        for start in range(0, len(missing), self.batch_size):
+            chunk = missing[start:start + self.batch_size]
+            embedded = self.encoder.embed(chunk)
+            self._store([(hashes[t], v) for t, v in zip(chunk, embedded, strict=True)])
+            vectors.update(zip(chunk, embedded, strict=True))
+            if progress:
+                progress(start + len(chunk), len(missing))
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            out[row] = vectors[text]
+        return out, len(missing), len(distinct) - len(missing)
+
+    def _store(self, items: list[tuple[str, Vectors]]) -> None:
+        try:
+            self.cache.put_many(self.model_id, items)
+        except CacheError as exc:  # the vectors are still good; only the next start pays for them
+            log.warning("vector cache write failed (%s); continuing without caching", exc)

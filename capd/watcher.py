@@ -1,0 +1,125 @@
+"""Live reload: a thin watchdog adapter plus a debounced :meth:`TapWatcher.apply_changes`.
+
+The watchdog handler only records paths. A worker thread waits until no event has
+arrived for ``debounce`` seconds, then calls ``apply_changes(paths)``, which reloads the
+capability folders those paths belong to (``Service.reload(changed=…)``). Tests call
+``apply_changes`` directly, or run a real observer end to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+if TYPE_CHECKING:
+    from capd.service import Service
+
+log = logging.getLogger(__name__)
+
+
+class _Queue(FileSystemEventHandler):
+    """Records paths inside a tap (or a tap directory itself); nothing else happens here."""
+
+    def __init__(self, watcher: TapWatcher, taps: list[Path]) -> None:
+        self.watcher = watcher
+        self.taps = taps
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in ("opened", "closed_no_write"):
+            return
+        raw = [event.src_path, getattr(event, "dest_path", "")]
+        paths = [Path(p if isinstance(p, str) else p.decode()) for p in raw if p]
+        inside = [p for p in paths if any(p == tap or tap in p.parents for tap in self.taps)]
+        if inside:
+            self.watcher.notify(inside)
+
+
+class TapWatcher:
+    def __init__(self, service: Service, debounce: float = 0.25) -> None:
+        self.service = service
+        self.debounce = debounce
+        self._pending: set[Path] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._observer: Any = None
+        self._thread: threading.Thread | None = None
+        self._taps: list[Path] = []
+        self._handler: _Queue | None = None
+        self._watches: dict[Path, tuple[int, Any]] = {}
+        self.applied = 0  # batches applied, for tests and metrics
+
+    def start(self) -> None:
+        observer = Observer()
+        self._taps = [Path(t).expanduser().absolute() for t in self.service.settings.taps]
+        self._handler = _Queue(self, self._taps)
+        for tap in self._taps:
+            # The parent, not recursively: a tap directory deleted, renamed or (re)created is seen too.
+            if tap.parent.is_dir():
+                observer.schedule(self._handler, str(tap.parent), recursive=False)
+        self._observer = observer
+        self._watch_taps()
+        observer.start()
+        self._thread = threading.Thread(target=self._run, name="capd-watcher", daemon=True)
+        self._thread.start()
+
+    def _watch_taps(self) -> None:
+        """Watch each existing tap recursively; re-watch one that was deleted and created anew."""
+        for tap in self._taps:
+            try:
+                inode = tap.stat().st_ino if tap.is_dir() else None
+            except OSError:
+                inode = None
+            current = self._watches.get(tap)
+            if current is not None and (inode is None or current[0] != inode):
+                self._observer.unschedule(current[1])
+                del self._watches[tap]
+                current = None
+            if current is None and inode is not None:
+                self._watches[tap] = (inode, self._observer.schedule(self._handler, str(tap), recursive=True))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def notify(self, paths: Iterable[Path]) -> None:
+        with self._lock:
+            self._pending.update(paths)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            # Debounce: wait until events stop arriving for `debounce` seconds.
+            while self._wake.is_set() and not self._stop.is_set():
+                self._wake.clear()
+                self._stop.wait(self.debounce)
+            with self._lock:
+                paths, self._pending = self._pending, set()
+            if paths and not self._stop.is_set():
+                self.apply_changes(paths)
+                self._watch_taps()
+
+    def apply_changes(self, paths: Iterable[Path]) -> dict[str, Any]:
+        """Reload what ``paths`` touched; errors are logged and shown in health, never raised."""
+        relevant = [p for p in paths if p.suffix in (".toml", "") or p.is_dir() or not p.exists()]
+        try:
+            report = self.service.reload(changed=relevant)
+        except Exception:
+            log.exception("reload after file changes failed; serving the previous catalog")
+            return {"error": "reload failed"}
+        self.applied += 1
+        log.info("reloaded after %d changed paths: %s", len(relevant), {k: v for k, v in report.items()
+                                                                         if k != "errors"})
+        return report

@@ -1,0 +1,73 @@
+"""Shared fixtures. The real bundled model runs in the suite; the hash fake serves fast unit tests.
+
+- ``model_settings``: Settings for the real bundled model (ONNX backend) with one data
+  directory per test session, so the ONNX export happens once per run.
+- ``real_encoder``: the real model through :func:`capd.encoder.open_encoder`.
+- ``hash_encoder``: the deterministic fake (:class:`capd.encoder.HashEncoder`).
+- ``settings_factory``: ``settings_factory(**overrides)`` gives Settings with a fresh data
+  directory, the fake model and no taps unless overridden.
+- ``isolated_data_dir(settings, tmp_path)``: the same settings with a fresh data directory
+  that shares the session's ONNX export (a cold vector cache without re-exporting).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capd.encoder import Encoder, HashEncoder, open_encoder
+from capd.models import VERIFIED_FILE
+from capd.settings import Settings
+
+SettingsFactory = Callable[..., Settings]
+
+
+@pytest.fixture(scope="session")
+def model_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return Settings(data_dir=tmp_path_factory.mktemp("capd-data"), backend="onnx")
+
+
+@pytest.fixture(scope="session")
+def real_encoder(model_settings: Settings) -> Encoder:
+    return open_encoder(model_settings)
+
+
+@pytest.fixture(scope="session")
+def hash_encoder() -> HashEncoder:
+    return HashEncoder()
+
+
+@pytest.fixture(scope="session")
+def settings_factory(tmp_path_factory: pytest.TempPathFactory) -> SettingsFactory:
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {"data_dir": tmp_path_factory.mktemp("data"), "model": "hash", "taps": ()}
+        values.update(overrides)
+        return Settings(**values)
+
+    return make
+
+
+def isolated_data_dir(settings: Settings, tmp_path: Path) -> Settings:
+    """``settings`` with a fresh data directory under ``tmp_path`` sharing its ONNX export."""
+    fresh = tmp_path / "capd-data"
+    fresh.mkdir(parents=True, exist_ok=True)
+    shared = settings.data_dir / "onnx"
+    shared.mkdir(parents=True, exist_ok=True)
+    (fresh / "onnx").symlink_to(shared, target_is_directory=True)
+    if (settings.data_dir / VERIFIED_FILE).is_file():
+        shutil.copy2(settings.data_dir / VERIFIED_FILE, fresh / VERIFIED_FILE)
+    return replace(settings, data_dir=fresh)
+
+
+@pytest.fixture(scope="session")
+def core_service(model_settings: Settings) -> Any:
+    """A started Service (no sessions) on the shipped taps with the real model."""
+    from capd.service import Service
+    from capd.settings import default_taps
+
+    return Service(replace(model_settings, taps=default_taps())).start()

@@ -1,0 +1,175 @@
+"""The HTTP API end to end: the real app (TestClient) with the real bundled model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from capd.api import create_app
+from capd.encoder import HashEncoder
+from capd.settings import Settings
+from tests.conftest import isolated_data_dir
+from tests.taputil import octomind_tap
+
+
+@pytest.fixture
+def api(tmp_path: Path, model_settings: Settings) -> Iterator[TestClient]:
+    settings = replace(isolated_data_dir(model_settings, tmp_path), max_active=2, taps=(octomind_tap(tmp_path),))
+    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+        yield client
+
+
+def test_health_and_capabilities(api: TestClient) -> None:
+    health = api.get("/v1/health").json()
+    assert health["ready"] is True and health["status"] == "ok"
+    assert health["capabilities"] == 5 and health["triggers"] == 11 and health["errors"] == []
+    assert health["embedded"] + health["cached"] == 11
+    caps = api.get("/v1/capabilities").json()["capabilities"]
+    assert {c["name"] for c in caps} >= {"database-postgres", "filesystem-read"}
+    assert all(c["active"] is False for c in caps)
+
+
+def test_route_activates_then_already_active(api: TestClient) -> None:
+    body = {"session": "s1", "message": "please run a query on the postgres database"}
+    first = api.post("/v1/route", json=body).json()
+    assert first["decision"] == "activate" and first["capability"] == "database-postgres"
+    (start,) = first["plan"]["start"]
+    assert start["capability"] == "database-postgres" and start["tools"] == ["*"]
+    assert start["server"]["name"] == "postgres" and start["server"]["command"] == "npx"
+    assert "{{ENV:POSTGRES_CONNECTION_STRING}}" in start["server"]["args"]
+    assert set(first) == {"decision", "capability", "score", "margin", "reason", "plan", "candidates"}
+    second = api.post("/v1/route", json=body).json()
+    assert second["decision"] == "already_active"
+    assert second["plan"] == {"start": [], "teardown": [], "active": ["database-postgres"]}
+    caps = api.get("/v1/capabilities", params={"session": "s1"}).json()["capabilities"]
+    assert [c["name"] for c in caps if c["active"]] == ["database-postgres"]
+
+
+def test_enable_disable_kill_flags_and_eviction(api: TestClient) -> None:
+    read = api.post("/v1/sessions/s2/enable", json={"name": "filesystem-read"}).json()
+    assert read["active"] == ["filesystem-read"]
+    write = api.post("/v1/sessions/s2/enable", json={"name": "filesystem-write"}).json()
+    assert write["start"][0]["tools"] == ["write_file", "edit_file"]
+    assert api.post("/v1/sessions/s2/enable", json={"name": "filesystem-write"}).json()["start"] == []  # idempotent
+    # Both reference server "filesystem": disabling one strips its tools but keeps the server.
+    off = api.post("/v1/sessions/s2/disable", json={"name": "filesystem-read"}).json()
+    assert off["teardown"] == [{"capability": "filesystem-read", "server": "filesystem", "kill": False,
+                                "tools": ["read_file", "list_directory"]}]
+    assert api.post("/v1/sessions/s2/disable", json={"name": "filesystem-read"}).json()["teardown"] == []
+    api.post("/v1/sessions/s2/enable", json={"name": "database-postgres"})
+    # max_active is 2: a third activation evicts exactly one, the least recently used.
+    assert api.post("/v1/sessions/s2/tool-result", json={"server": "filesystem", "tool": "write_file",
+                                                         "ok": True}).json()["bumped"] == ["filesystem-write"]
+    third = api.post("/v1/sessions/s2/enable", json={"name": "python-toolchain"}).json()
+    assert [t["capability"] for t in third["teardown"]] == ["database-postgres"]
+    assert third["teardown"][0]["kill"] is True
+    assert third["active"] == ["filesystem-write", "python-toolchain"]
+    state = api.get("/v1/sessions/s2").json()
+    assert [a["name"] for a in state["active"]] == ["filesystem-write", "python-toolchain"]
+    assert state["active"][1]["servers"] == []  # a toolchain capability has no servers
+
+
+def test_failed_tool_result_does_not_touch(api: TestClient) -> None:
+    api.post("/v1/sessions/s3/enable", json={"name": "filesystem-read"})
+    api.post("/v1/sessions/s3/enable", json={"name": "database-postgres"})
+    failed = api.post("/v1/sessions/s3/tool-result", json={"server": "filesystem", "tool": "read_file", "ok": False})
+    assert failed.json()["bumped"] == []
+    plan = api.post("/v1/sessions/s3/enable", json={"name": "smalltalk"}).json()
+    assert [t["capability"] for t in plan["teardown"]] == ["filesystem-read"]  # still the LRU
+
+
+def test_errors_are_json_4xx(api: TestClient) -> None:
+    missing = api.get("/v1/sessions/nobody")
+    assert missing.status_code == 404 and missing.json()["error"] == "unknown_session"
+    assert api.delete("/v1/sessions/nobody").status_code == 404
+    unknown = api.post("/v1/sessions/s4/enable", json={"name": "no-such-cap"})
+    assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_capability"
+    bad_json = api.post("/v1/route", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 422 and set(bad_json.json()) == {"error", "detail"}
+    wrong_type = api.post("/v1/route", json={"session": "s", "message": 42})
+    assert wrong_type.status_code == 422
+    bad_id = api.post("/v1/route", json={"session": "../../etc", "message": "hello there friend"})
+    assert bad_id.status_code == 422
+    huge = api.post("/v1/route", json={"session": "s", "message": "x" * (64 * 1024 + 1)})
+    assert huge.status_code == 413 and huge.json()["error"] == "too_large"
+    body = api.post("/v1/discover", content=b"{" + b" " * (300 * 1024) + b"}",
+                    headers={"content-type": "application/json"})
+    assert body.status_code == 413
+    assert api.post("/v1/discover", json={"intent": "x", "limit": 0}).status_code == 422
+
+
+def test_drop_session_and_capability_tool(api: TestClient) -> None:
+    schema = api.get("/v1/capability-tool").json()
+    assert schema["name"] == "capability"
+    assert schema["parameters"]["properties"]["action"]["enum"] == ["list", "discover", "enable", "disable"]
+    found = api.post("/v1/sessions/s5/capability", json={"action": "discover",
+                                                         "intent": "look at the postgres schema"}).json()
+    assert found["candidates"][0]["name"] == "database-postgres" and "database-postgres" in found["text"]
+    enabled = api.post("/v1/sessions/s5/capability", json={"action": "enable", "name": "database-postgres"}).json()
+    assert enabled["plan"]["active"] == ["database-postgres"] and "Enabled" in enabled["text"]
+    listed = api.post("/v1/sessions/s5/capability", json={"action": "list"}).json()
+    assert "* database-postgres" in listed["text"]
+    dropped = api.delete("/v1/sessions/s5").json()
+    assert dropped["plan"]["teardown"][0]["kill"] is True
+    assert api.get("/v1/sessions/s5").status_code == 404
+
+
+def test_metrics_and_reload(api: TestClient) -> None:
+    api.post("/v1/route", json={"session": "m", "message": "please run a query on the postgres database"})
+    api.post("/v1/route", json={"message": "ok"})
+    text = api.get("/metrics").text
+    assert 'capd_decisions_total{decision="activate"}' in text
+    assert 'capd_decisions_total{decision="skipped"}' in text
+    assert "capd_route_latency_seconds_count 2" in text and "capd_capabilities 5" in text
+    reloaded = api.post("/v1/reload").json()
+    assert reloaded["capabilities"] == 5 and reloaded["embedded"] == 0
+
+
+def test_token_required_on_every_endpoint(tmp_path: Path) -> None:
+    settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash", token="s3cret")
+    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+        paths = [("GET", "/v1/health"), ("GET", "/v1/capabilities"), ("POST", "/v1/discover"),
+                 ("POST", "/v1/route"), ("GET", "/v1/sessions/a"), ("DELETE", "/v1/sessions/a"),
+                 ("POST", "/v1/sessions/a/enable"), ("POST", "/v1/sessions/a/disable"),
+                 ("POST", "/v1/sessions/a/tool-result"), ("POST", "/v1/reload"), ("GET", "/metrics"),
+                 ("GET", "/v1/capability-tool"), ("POST", "/v1/sessions/a/capability"), ("GET", "/docs"),
+                 ("GET", "/openapi.json")]
+        for method, path in paths:
+            response = client.request(method, path)
+            assert response.status_code == 401, path
+            assert client.request(method, path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = client.get("/v1/health", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+
+
+class _SlowEncoder(HashEncoder):
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        self.gate.wait(30)
+        return super().embed(texts)
+
+
+def test_warm_up_never_blocks_a_turn(tmp_path: Path) -> None:
+    gate = threading.Event()
+    settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash")
+    with TestClient(create_app(settings, encoder=_SlowEncoder(gate), watch=False)) as client:
+        health = client.get("/v1/health").json()
+        assert health["ready"] is False and health["status"] == "starting"
+        routed = client.post("/v1/route", json={"session": "w", "message": "run a query on postgres"}).json()
+        assert routed["decision"] == "skipped" and routed["reason"].startswith("warming up")
+        assert client.post("/v1/discover", json={"intent": "postgres"}).status_code == 503
+        gate.set()
+        for _ in range(200):
+            if client.get("/v1/health").json()["ready"]:
+                break
+            threading.Event().wait(0.05)
+        assert client.get("/v1/health").json()["ready"] is True

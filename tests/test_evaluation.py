@@ -1,0 +1,162 @@
+"""Metrics on a hand-computed case, calibration limits, `capd test` floors and JUnit, the HTML report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from capd.calibrate import best_point, split
+from capd.cli import main
+from capd.errors import FixtureError
+from capd.evaluation import ScoreTable, apply_gates, breakdown, metrics
+from capd.fixtures import Fixture, load_fixtures
+from capd.settings import Settings, default_taps
+from tests.taputil import octomind_tap
+
+
+def _table() -> ScoreTable:
+    names = ("a", "b", "c")
+    rows = [
+        # message, expect, kind, scores
+        ("m1", ("a",), "positive", [0.70, 0.20, 0.10]),  # fires a: right
+        ("m2", ("b",), "positive", [0.60, 0.55, 0.10]),  # margin 0.05 < 0.1: abstains (top1 wrong anyway)
+        ("m3", ("c",), "positive", [0.10, 0.20, 0.35]),  # below threshold 0.4: abstains, top1 right
+        ("m4", ("a", "b"), "ambiguous", [0.30, 0.80, 0.10]),  # fires b: right (list)
+        ("m5", ("c",), "positive", [0.90, 0.10, 0.20]),  # fires a: wrong
+        ("m6", (), "null", [0.50, 0.10, 0.10]),  # fires a on a null
+        ("m7", (), "null", [0.30, 0.20, 0.10]),  # abstains
+    ]
+    fixtures = tuple(Fixture(m, e, k, f"x.jsonl:{i}") for i, (m, e, k, _) in enumerate(rows, 1))
+    scores = np.array([r[3] for r in rows], dtype=np.float32)
+    expected = np.array([[n in r[1] for n in names] for r in rows])
+    return ScoreTable(fixtures, names, scores, np.ones(len(rows), dtype=bool), expected)
+
+
+def test_metrics_hand_computed() -> None:
+    table = _table()
+    outcome = apply_gates(table, 0.4, 0.1)
+    result = metrics(table, outcome)
+    assert result == {"n": 7, "positives": 5, "nulls": 2, "top1": 0.6, "fired_right": 0.4, "fired_wrong": 0.2,
+                      "null_fpr": 0.5, "skipped": 0}
+    details = breakdown(table, outcome)
+    assert details["per_kind"]["ambiguous"]["accuracy"] == 1.0
+    assert details["per_kind"]["null"]["accuracy"] == 0.5
+    assert details["per_capability"]["c"] == {"n": 2, "fired_right": 0, "recall": 0.0}
+    assert {"expected": "c", "got": "a", "count": 1} in details["confusions"]
+
+
+def test_skipped_rows_abstain() -> None:
+    table = _table()
+    short = ScoreTable(table.fixtures, table.names, table.scores, np.zeros(7, dtype=bool), table.expected)
+    result = metrics(short, apply_gates(short, 0.0, 0.0))
+    assert result["fired_right"] == 0.0 and result["null_fpr"] == 0.0 and result["skipped"] == 7
+    assert result["top1"] == 0.6  # gates (the length gate included) do not change top1
+
+
+def test_best_point_respects_limits() -> None:
+    table = _table()
+    point, curve = best_point({3: table}, max_null_fpr=0.0, max_wrong=0.0)
+    assert point is not None
+    assert point.null_fpr == 0.0 and point.fired_wrong == 0.0
+    # m5 fires the wrong capability at 0.90 with margin 0.70, so only gates that stop m5 qualify.
+    outcome = apply_gates(table, point.threshold, point.margin)
+    assert metrics(table, outcome)["null_fpr"] == 0.0
+    assert all(p.null_fpr == 0.0 and p.fired_wrong == 0.0 for p in curve)
+
+
+def test_split_is_deterministic_and_disjoint() -> None:
+    fixtures = [Fixture(f"message {i}", ("a",), "positive", f"x:{i}") for i in range(500)]
+    fit, held = split(fixtures)
+    _, held2 = split(list(reversed(fixtures)))
+    assert set(fit).isdisjoint(held) and len(fit) + len(held) == 500
+    assert 100 < len(held) < 200
+    assert {fixtures[i].message for i in held} == {fixtures[::-1][i].message for i in held2}
+
+
+def test_fixture_errors_name_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "f.jsonl"
+    path.write_text('{"message": "fine", "expect": null}\n\n{"message": 3, "expect": "a"}\n')
+    with pytest.raises(FixtureError, match=r"f.jsonl: line 3: 'message' must be a string"):
+        load_fixtures([path])
+    path.write_text('{"message": "x", "expect": []}\n')
+    with pytest.raises(FixtureError, match="line 1"):
+        load_fixtures([path])
+
+
+def _tap_with_fixtures(tmp_path: Path, floors: str) -> Path:
+    tap = octomind_tap(tmp_path)
+    fixtures = tap / "fixtures"
+    fixtures.mkdir()
+    rows = [
+        {"message": "run a query on the postgres database please", "expect": "database-postgres"},
+        {"message": "open the file and read what is inside it", "expect": "filesystem-read"},
+        {"message": "create a python virtualenv and run pytest", "expect": "python-toolchain"},
+        {"message": "write this text into a brand new file on disk", "expect": "filesystem-write"},
+        {"message": "my cat likes to sleep on the sofa all afternoon", "expect": None, "kind": "off-topic"},
+    ]
+    (fixtures / "routing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (fixtures / "floors.toml").write_text(floors)
+    return tap
+
+
+def test_capd_test_pass_fail_and_junit(tmp_path: Path, model_settings: Settings) -> None:
+    data = ["--data-dir", str(model_settings.data_dir)]
+    good = _tap_with_fixtures(tmp_path / "good", "[floors]\nmin_top1 = 0.75\nmax_null_fpr = 0.0\n")
+    result = CliRunner().invoke(main, ["test", str(good), *data, "--junit", str(tmp_path / "good.xml")])
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output
+    bad = _tap_with_fixtures(tmp_path / "bad", "[floors]\nmin_fired_right = 1.0\n[floors.kinds]\noff-topic = 1.0\n"
+                             "missing-kind = 0.5\n")
+    junit = tmp_path / "bad.xml"
+    result = CliRunner().invoke(main, ["test", str(bad), *data, "--junit", str(junit)])
+    assert result.exit_code == 1
+    assert "FAIL" in result.output and "kind:missing-kind" in result.output
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite is not None and int(suite.get("failures", "0")) >= 1
+    failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
+    assert "kind:missing-kind" in failed
+    broken = _tap_with_fixtures(tmp_path / "broken", "[floors]\nmin_recall = 0.5\n")
+    result = CliRunner().invoke(main, ["test", str(broken), *data])
+    assert result.exit_code == 1 and "unknown floor" in result.output
+
+
+def test_shipped_tap_meets_its_floors(model_settings: Settings) -> None:
+    taps = default_taps()
+    result = CliRunner().invoke(main, ["test", *map(str, taps), "--data-dir", str(model_settings.data_dir),
+                                       "--json"])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0, json.dumps([r["checks"] for r in report["taps"]], indent=1)
+    assert all(r["floors"] for r in report["taps"])
+
+
+def test_eval_json_and_html_report(tmp_path: Path, model_settings: Settings) -> None:
+    core = default_taps()[0]
+    html = tmp_path / "report.html"
+    args = ["eval", "--tap", str(core), "--data-dir", str(model_settings.data_dir), "--json", "--html", str(html)]
+    for name in ("positives", "abstain", "ambiguous"):
+        args += ["--fixtures", str(core / "fixtures" / f"{name}.jsonl")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    for key in ("n", "positives", "nulls", "top1", "fired_right", "fired_wrong", "null_fpr", "per_kind",
+                "threshold", "margin"):
+        assert key in report
+    assert report["positives"] + report["nulls"] == report["n"]
+    page = html.read_text()
+    assert "<svg" in page and "threshold" in page and "http://" not in page.replace("http://www.w3.org", "")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium not installed: the page was checked for content only")
+    shot = tmp_path / "report.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync", "--no-first-run",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,1400",
+                    f"--screenshot={shot}", html.as_uri()], check=True, capture_output=True, timeout=60)
+    assert shot.stat().st_size > 20_000  # a rendered page with charts, not a blank frame

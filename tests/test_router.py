@@ -1,0 +1,100 @@
+"""The anchor's rule and capd's decisions, with the real bundled model on the shipped tap."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from capd.router import Gates, Router, build_gatebook, gate
+from capd.service import Service
+from capd.settings import Settings
+from capd.taps import load_catalog
+from tests.taputil import octomind_tap
+
+
+def test_gate_reasons() -> None:
+    gates = Gates(threshold=0.45, margin=0.08)
+    assert gate([("docker", 0.41), ("kubernetes", 0.30)], gates) == (False, pytest.approx(0.11),
+                                                                      "best 0.41 below threshold 0.45")
+    fire, margin, reason = gate([("docker", 0.60), ("kubernetes", 0.58)], gates)
+    assert not fire and margin == pytest.approx(0.02)
+    assert reason == "margin 0.02 between docker and kubernetes below 0.08"
+    assert gate([("docker", 0.50)], gates)[0]  # a single candidate: top2 = 0
+    assert gate([], gates)[0] is False
+
+
+def test_activate_and_reasons(core_service: Service) -> None:
+    decision = core_service.router.route("show me the last five commits on this branch")
+    assert decision.decision == "activate" and decision.capability == "git"
+    assert decision.score is not None and decision.margin is not None
+    assert decision.candidates[0][0] == "git" and len(decision.candidates) == 5
+    abstain = core_service.router.route("hello there, how is your week going?")
+    assert abstain.decision == "abstain"
+    assert abstain.reason.startswith(("best ", "margin "))
+
+
+def test_short_and_tagged_messages_are_skipped(core_service: Service) -> None:
+    router = core_service.router
+    assert router.route("ls -la").decision == "skipped"
+    tagged = "<system-reminder>\nquery the postgres database for all users\n</system-reminder>\nok go"
+    decision = router.route(tagged)
+    assert decision.decision == "skipped" and decision.reason.startswith("too short")
+    assert router.route("<context>ignore</context> query the users table in postgres").capability == "postgres"
+
+
+def test_already_active_versus_anchor(core_service: Service) -> None:
+    capd = core_service.router
+    message = "list the running docker containers and their ports"
+    first = capd.route(message)
+    assert first.decision == "activate"
+    winner = first.capability
+    assert winner is not None
+    again = capd.route(message, active={winner})
+    assert again.decision == "already_active" and again.capability == winner
+    anchor = Router(capd.encoder, capd.index, capd.catalog, replace(capd.gates, default=Gates(0.0, 0.0, 3)),
+                    rule="anchor", min_chars=8)
+    switched = anchor.route(message, active={winner})
+    # The anchor only scores inactive capabilities, so a runner-up is activated instead.
+    assert switched.decision == "activate" and switched.capability != winner
+    every = set(capd.index.names)
+    assert anchor.route(message, active=every).decision == "abstain"
+
+
+def test_discover_and_explain(core_service: Service) -> None:
+    found = core_service.discover("send a message to the team channel", limit=3)
+    assert found[0][0] == "slack" and len(found) == 3
+    assert [s for _, s in found] == sorted((s for _, s in found), reverse=True)
+    explained = core_service.explain("restart the api container", limit=2)
+    assert len(explained) == 2
+    top = explained[0]
+    cosines = [t["cosine"] for t in top["triggers"]]
+    assert len(cosines) == 3 and cosines == sorted(cosines, reverse=True)
+    assert top["score"] == pytest.approx(float(np.mean(cosines)), abs=2e-4)  # mean of the top-3
+
+
+def test_gate_precedence(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    (tap / "capd.toml").write_text('model = "all-minilm-l6-v2"\n[gates]\nthreshold = 0.6\ntop_k = 2\n')
+    catalog = load_catalog([tap])
+    model = Gates(0.45, 0.08, 3)
+    book = build_gatebook(model, catalog, {}, model="all-minilm-l6-v2")
+    assert book.for_tap(tap.absolute()) == Gates(0.6, 0.08, 2)
+    assert book.default == Gates(0.45, 0.08, 2)  # top_k is one for the catalog
+    overridden = build_gatebook(model, catalog, {"threshold": 0.3, "margin": None}, model="all-minilm-l6-v2")
+    assert overridden.for_tap(tap.absolute()) == Gates(0.3, 0.08, 2)
+    other = build_gatebook(model, catalog, {}, model="bge-small-en-v1.5")
+    assert other.for_tap(tap.absolute()) == model  # calibrated for another model: ignored
+
+
+def test_calibrated_tap_gates_change_routing(tmp_path: Path, model_settings: Settings) -> None:
+    tap = octomind_tap(tmp_path)
+    message = "run some sql against the postgres database"
+    settings = replace(model_settings, taps=(tap,))
+    before = Service(settings).start().router.route(message)
+    assert before.decision == "activate"
+    (tap / "capd.toml").write_text(f"[gates]\nthreshold = {min((before.score or 0) + 0.05, 0.99)}\n")
+    after = Service(settings).start().router.route(message)
+    assert after.decision == "abstain" and "below threshold" in after.reason

@@ -1,0 +1,224 @@
+"""The SQLite vector cache and the cached embedder, on real files in tmp_path."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from capd.encoder import HashEncoder, Vectors
+from capd.vectorcache import CACHE_FILE, CachedEmbedder, VectorCache, text_hash
+
+
+class CountingEncoder(HashEncoder):
+    """The hash fake, recording every text it is asked to embed."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__(dim=dim)
+        self.seen: list[str] = []
+        self.calls = 0
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        self.calls += 1
+        self.seen.extend(texts)
+        return super().embed(texts)
+
+
+class RenamedEncoder(CountingEncoder):
+    @property
+    def model_id(self) -> str:
+        return "another-model"
+
+
+def _vectors(n: int, dim: int = 8, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, dim)).astype(np.float32)
+
+
+def test_roundtrip_is_exact_and_misses_are_absent(tmp_path: Path) -> None:
+    with VectorCache.open(tmp_path) as cache:
+        assert cache.persistent and cache.path == tmp_path / CACHE_FILE
+        vectors = _vectors(3)
+        assert cache.put_many("m", [("a", vectors[0]), ("b", vectors[1])]) == 2
+        assert cache.put_many("m", [("a", vectors[2])]) == 0  # first writer wins
+        found = cache.get_many("m", ["a", "b", "c", "a"])
+        assert set(found) == {"a", "b"}
+        np.testing.assert_array_equal(found["a"], vectors[0])
+        assert found["a"].dtype == np.float32
+        assert cache.get_many("other-model", ["a"]) == {}
+    with VectorCache.open(tmp_path) as reopened:  # persisted
+        np.testing.assert_array_equal(reopened.get_many("m", ["b"])["b"], vectors[1])
+
+
+def test_text_hash_is_of_the_exact_text() -> None:
+    assert text_hash("deploy") != text_hash("deploy ") != text_hash("Deploy")
+    assert text_hash("é") == hashlib.sha256("é".encode()).hexdigest()
+    assert len(text_hash("x")) == 64
+
+
+def test_hits_and_misses_are_counted_exactly(tmp_path: Path) -> None:
+    encoder = CountingEncoder()
+    with VectorCache.open(tmp_path) as cache:
+        embedder = CachedEmbedder(encoder, cache, batch_size=2)
+        vectors, embedded, cached = embedder.embed(["a b", "c d", "a b", "e f", "c d"])
+        assert (embedded, cached) == (3, 0)
+        assert sorted(encoder.seen) == ["a b", "c d", "e f"]  # each distinct text once
+        np.testing.assert_array_equal(vectors, HashEncoder(dim=32).embed(["a b", "c d", "a b", "e f", "c d"]))
+        encoder.seen.clear()
+        progress: list[tuple[int, int]] = []
+        again, embedded, cached = embedder.embed(["e f", "g h", "a b", "g h"],
+                                                 progress=lambda done, total: progress.append((done, total)))
+        assert (embedded, cached) == (1, 2) and encoder.seen == ["g h"]
+        assert progress == [(0, 1), (1, 1)]
+        np.testing.assert_array_equal(again[0], vectors[3])
+        empty, embedded, cached = embedder.embed([])
+        assert empty.shape == (0, 32) and (embedded, cached) == (0, 0)
+
+
+def test_a_new_model_id_uses_new_keys(tmp_path: Path) -> None:
+    with VectorCache.open(tmp_path) as cache:
+        first = CachedEmbedder(CountingEncoder(), cache)
+        second = CachedEmbedder(RenamedEncoder(), cache)
+        assert first.embed(["x y", "z"])[1:] == (2, 0)
+        assert second.embed(["x y", "z"])[1:] == (2, 0)
+        assert first.embed(["x y", "z"])[1:] == (0, 2)
+        assert cache.counts() == {first.model_id: 2, "another-model": 2}
+
+
+def test_prune_keeps_what_taps_use_and_other_models(tmp_path: Path) -> None:
+    with VectorCache.open(tmp_path) as cache:
+        vectors = _vectors(4)
+        cache.put_many("m1", [("a", vectors[0]), ("b", vectors[1]), ("c", vectors[2])])
+        cache.put_many("m2", [("a", vectors[3])])
+        assert cache.prune("m1", {"a", "zzz"}) == 2
+        assert cache.counts() == {"m1": 1, "m2": 1}
+        assert set(cache.get_many("m1", ["a", "b", "c"])) == {"a"}
+        assert cache.prune("m1", []) == 1
+
+
+def test_concurrent_writer_threads(tmp_path: Path) -> None:
+    shared = VectorCache.open(tmp_path)
+    errors: list[BaseException] = []
+
+    def write(worker: int, cache: VectorCache) -> None:
+        try:
+            for batch in range(20):
+                keys = [f"k{(worker * 7 + batch * 13 + i) % 400}" for i in range(10)]  # overlapping keys
+                cache.put_many("m", [(k, np.full(4, float(k[1:]), dtype=np.float32)) for k in keys])
+                cache.get_many("m", keys)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    own = [VectorCache.open(tmp_path) for _ in range(3)]  # separate connections too
+    threads = [threading.Thread(target=write, args=(w, shared)) for w in range(5)]
+    threads += [threading.Thread(target=write, args=(10 + i, c)) for i, c in enumerate(own)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    stored = shared.get_many("m", [f"k{i}" for i in range(400)])
+    assert all(float(v[0]) == float(k[1:]) for k, v in stored.items())
+    assert shared.counts()["m"] == len(stored) > 100
+    for cache in [shared, *own]:
+        cache.close()
+
+
+WRITER = """
+import sys
+from pathlib import Path
+import numpy as np
+from capd.vectorcache import VectorCache
+cache = VectorCache.open(Path(sys.argv[1]))
+print("ready", flush=True)
+sys.stdin.readline()
+for batch in range(40):
+    cache.put_many("m", [(f"{sys.argv[2]}{batch}-{i}", np.ones(16, dtype=np.float32)) for i in range(25)])
+cache.close()
+"""
+
+
+def test_concurrent_writer_processes(tmp_path: Path) -> None:
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), prefix], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for prefix in ("p", "q")]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with VectorCache.open(tmp_path) as cache:
+        for proc in procs:  # release both at once, then write from here as well
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        for batch in range(40):
+            cache.put_many("m", [(f"r{batch}-{i}", np.ones(16, dtype=np.float32)) for i in range(25)])
+        for proc in procs:
+            assert proc.wait(timeout=60) == 0
+        assert cache.counts() == {"m": 3 * 40 * 25}
+
+
+def test_corrupt_file_is_set_aside_and_rebuilt(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / CACHE_FILE).write_bytes(b"this is not a database" * 500)
+    with caplog.at_level(logging.WARNING, logger="capd.vectorcache"), VectorCache.open(tmp_path) as cache:
+        assert cache.persistent
+        assert cache.put_many("m", [("a", np.ones(3, dtype=np.float32))]) == 1
+    (aside,) = tmp_path.glob(f"{CACHE_FILE}.corrupt-*")
+    assert aside.read_bytes().startswith(b"this is not a database")
+    assert "unusable" in caplog.text and str(aside) in caplog.text
+
+
+def test_foreign_database_is_set_aside(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / CACHE_FILE) as conn:
+        conn.execute("CREATE TABLE notes (body TEXT)")
+        conn.execute("INSERT INTO notes VALUES ('precious')")
+    with VectorCache.open(tmp_path) as cache:
+        assert cache.counts() == {}
+    (aside,) = (p for p in tmp_path.glob(f"{CACHE_FILE}.corrupt-*") if not p.name.endswith(("-wal", "-shm")))
+    with sqlite3.connect(aside) as conn:
+        assert conn.execute("SELECT body FROM notes").fetchall() == [("precious",)]
+
+
+def test_corruption_found_mid_file_is_recovered(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with VectorCache.open(tmp_path) as cache:
+        cache.put_many("m", [(f"k{i}", np.ones(64, dtype=np.float32)) for i in range(2000)])
+    path = tmp_path / CACHE_FILE
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = bytearray(path.read_bytes())
+    page = 4096
+    data[2 * page:len(data) - page] = b"\xa5" * (len(data) - 3 * page)  # keep the header, smash the pages
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="capd.vectorcache"), VectorCache.open(tmp_path) as cache:
+        found = cache.get_many("m", [f"k{i}" for i in range(2000)])
+        assert found == {}
+        assert cache.put_many("m", [("fresh", np.ones(2, dtype=np.float32))]) == 1
+    assert list(tmp_path.glob(f"{CACHE_FILE}.corrupt-*")) and "unusable" in caplog.text
+
+
+def test_unwritable_data_dir_falls_back_to_memory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("the data dir cannot be created under a file")
+    with caplog.at_level(logging.WARNING, logger="capd.vectorcache"):
+        cache = VectorCache.open(blocker / "data")
+    assert not cache.persistent and cache.path is None and "in-memory" in caplog.text
+    embedder = CachedEmbedder(CountingEncoder(), cache)
+    assert embedder.embed(["a", "b"])[1:] == (2, 0)
+    assert embedder.embed(["a", "b"])[1:] == (0, 2)  # still de-duplicates within the process
+    cache.close()
+
+
+def test_other_schema_version_is_set_aside(tmp_path: Path) -> None:
+    with VectorCache.open(tmp_path) as cache:
+        cache.put_many("m", [("a", np.ones(2, dtype=np.float32))])
+    with sqlite3.connect(tmp_path / CACHE_FILE) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    with VectorCache.open(tmp_path) as cache:
+        assert cache.counts() == {}
+    (aside,) = (p for p in tmp_path.glob(f"{CACHE_FILE}.corrupt-*") if not p.name.endswith(("-wal", "-shm")))
+    with sqlite3.connect(aside) as conn:  # moved with its WAL, so nothing in it is lost
+        assert conn.execute("PRAGMA user_version").fetchone() == (99,)

@@ -1,0 +1,123 @@
+"""Live reload: apply_changes directly, and a real watchdog observer end to end."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from capd.service import Service
+from capd.settings import Settings
+from capd.watcher import TapWatcher
+from tests.taputil import POSTGRES_PROVIDER, octomind_tap, write_capability
+
+
+def _service(tmp_path: Path) -> tuple[Service, Path]:
+    tap = octomind_tap(tmp_path)
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
+    return Service(settings, sessions=True).start(), tap
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_apply_changes_reembeds_only_changed_triggers(tmp_path: Path) -> None:
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    config = tap / "capabilities" / "smalltalk" / "config.toml"
+    config.write_text(config.read_text().replace("weather today", "weather this weekend"))
+    report = watcher.apply_changes([config])
+    assert report["changed"] == ["smalltalk"] and report["embedded"] == 1  # one new trigger text, nothing else
+
+
+def test_broken_file_keeps_last_good_version(tmp_path: Path) -> None:
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    config = tap / "capabilities" / "smalltalk" / "config.toml"
+    good = config.read_text()
+    config.write_text("triggers = [\n  'unterminated\n")
+    watcher.apply_changes([config])
+    assert "smalltalk" in service.catalog_now()
+    assert service.catalog_now().capabilities["smalltalk"].triggers[0] == "tell me about the weather today"
+    errors = service.health()["errors"]
+    assert len(errors) == 1 and errors[0]["file"].endswith("smalltalk/config.toml") and errors[0]["line"] == 2
+    config.write_text(good)
+    watcher.apply_changes([config])
+    assert service.health()["errors"] == []
+
+
+def test_real_observer_add_edit_break_fix_delete(tmp_path: Path) -> None:
+    service, tap = _service(tmp_path)
+    assert service.registry is not None
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"],
+                         {"mysql": POSTGRES_PROVIDER.replace("postgres", "mysql")}, default="mysql")
+        assert _wait(lambda: "database-mysql" in service.catalog_now())
+        plan = service.registry.activate("sess", "database-mysql", "manual")
+        assert plan.active == ("database-mysql",) or list(plan.active) == ["database-mysql"]
+
+        config = tap / "capabilities" / "database-mysql" / "config.toml"
+        config.write_text('triggers = ["query the mysql database", "list the mysql schemas"]\n')
+        assert _wait(lambda: "list the mysql schemas" in service.catalog_now().capabilities["database-mysql"]
+                     .triggers)
+
+        config.write_text("triggers = 42\n")
+        assert _wait(lambda: len(service.health()["errors"]) == 1)
+        assert "database-mysql" in service.catalog_now()  # last good version kept
+
+        config.write_text('triggers = ["query the mysql database", "list the mysql schemas"]\n')
+        assert _wait(lambda: service.health()["errors"] == [])
+
+        shutil.rmtree(tap / "capabilities" / "database-mysql")
+        assert _wait(lambda: "database-mysql" not in service.catalog_now())
+        # The session holding the deleted capability gets its teardown in the next plan.
+        after = service.route("hello there, lovely to see you again", session="sess")
+        assert after.plan is not None
+        torn = after.plan.as_dict()["teardown"]
+        assert [t["capability"] for t in torn] == ["database-mysql"] and torn[0]["kill"] is True
+    finally:
+        watcher.stop()
+
+
+def test_tap_directory_removed_and_restored(tmp_path: Path) -> None:
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        moved = tmp_path / "moved"
+        tap.rename(moved)
+        assert _wait(lambda: any("missing" in e["reason"] for e in service.health()["errors"]))
+        assert len(service.catalog_now()) == 5  # the last good capabilities keep serving
+        assert service.route("please run a query on the postgres database").decision.decision != "skipped"
+        shutil.rmtree(moved / "capabilities" / "smalltalk")
+        moved.rename(tap)
+        assert _wait(lambda: service.health()["errors"] == [])
+        assert len(service.catalog_now()) == 4
+    finally:
+        watcher.stop()
+
+
+def test_tap_deleted_and_created_anew_is_watched_again(tmp_path: Path) -> None:
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        backup = tmp_path / "backup"
+        shutil.copytree(tap, backup, symlinks=True)
+        shutil.rmtree(tap)
+        assert _wait(lambda: any("missing" in e["reason"] for e in service.health()["errors"]))
+        shutil.copytree(backup, tap, symlinks=True)
+        assert _wait(lambda: service.health()["errors"] == [])
+        write_capability(tap, "late-arrival", ["a capability added after the tap came back"])
+        assert _wait(lambda: "late-arrival" in service.catalog_now())
+    finally:
+        watcher.stop()
