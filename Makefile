@@ -9,7 +9,7 @@ STAMP := $(VENV)/.capd-installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup serve test lint bench quality reliability clean
+.PHONY: setup serve test lint bench reliability clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks.run
+
+# The reliability suite at full size (load >= 60 s, faults, fuzz, security); a bounded
+# subset of it already runs inside `make test`.
+reliability: setup
+	CAPD_RELIABILITY=full $(BIN)/python -m pytest -m reliability tests/reliability
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
+from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
 from capd.fixtures import Fixture
 from capd.router import Router
 
@@ -95,7 +95,8 @@ def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: fl
 def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float = 0.05,
               max_wrong: float = 0.03) -> dict[str, Any]:
     fit_rows, held_rows = split(fixtures)
-    full = {k: score_table(router, fixtures, top_k=k) for k in TOP_KS}
+    vectors = embed_fixtures(router, fixtures)
+    full = {k: score_table(router, fixtures, top_k=k, vectors=vectors) for k in TOP_KS}
     fit = {k: t.subset(fit_rows) for k, t in full.items()}
     point, curve = best_point(fit, max_null_fpr, max_wrong)
     report: dict[str, Any] = {

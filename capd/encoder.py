@@ -157,6 +157,11 @@ class OnnxEncoder:
         self._tokenizer.enable_padding(pad_id=int(pad_id), pad_token=pad_token)  # to the longest in a batch
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        # ORT's worker threads otherwise spin on a core after every run, waiting for the next one:
+        # in the daemon that starves the HTTP threads and the caller (2 cores here). Off, a route
+        # costs ~30% less CPU and a busy machine no longer triples encode latency; a lone encode
+        # on an idle machine is ~4% slower (benchmarks/results/daemon.md).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._model_id = model_id

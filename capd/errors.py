@@ -18,7 +18,7 @@ embedding capd can catch one type. Messages name the file, the key and the fix.
     ├── UnknownCapability      a capability name not in the catalog
     ├── PinnedCapability       a pinned capability cannot be disabled
     ├── UnknownSession         a session id with no state
-    ├── InvalidSessionId       a session id that is not 1–128 of [A-Za-z0-9._:-] (also a ValueError)
+    ├── InvalidSessionId       a session id that is not 1–128 of [A-Za-z0-9._:-], not all dots (a ValueError)
     └── ClientError            the HTTP client could not get an answer
         └── DaemonUnreachable  no daemon listening where the client looked
 """
@@ -118,12 +118,13 @@ class PinnedCapability(CapdError):
 
 
 class InvalidSessionId(CapdError, ValueError):
-    """A session id that is not 1–128 characters of ``[A-Za-z0-9._:-]``."""
+    """A session id that is not 1–128 characters of ``[A-Za-z0-9._:-]``, or only dots."""
 
     def __init__(self, session: str) -> None:
         self.session = session
         shown = session if len(session) <= 40 else session[:40] + "…"
-        super().__init__(f"invalid session id {shown!r}: use 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+        super().__init__(f"invalid session id {shown!r}: use 1 to 128 characters of A-Z a-z 0-9 . _ : - "
+                         "(not only dots)")
 
 
 class ClientError(CapdError):

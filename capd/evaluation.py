@@ -53,20 +53,24 @@ class ScoreTable:
                           self.expected[rows])
 
 
-def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None = None) -> ScoreTable:
+def embed_fixtures(router: Router, fixtures: Sequence[Fixture]) -> np.ndarray:
+    """The vectors of the cleaned fixture messages (embedded once, then scored any number of ways)."""
+    return router.encoder.embed([clean_message(f.message, router.min_chars)[0] for f in fixtures])
+
+
+def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None = None,
+                vectors: np.ndarray | None = None) -> ScoreTable:
     names = router.index.names
     position = {n: i for i, n in enumerate(names)}
-    texts: list[str] = []
     routable = np.zeros(len(fixtures), dtype=bool)
     expected = np.zeros((len(fixtures), len(names)), dtype=bool)
     for row, fixture in enumerate(fixtures):
-        text, ok = clean_message(fixture.message, router.min_chars)
-        texts.append(text)
-        routable[row] = ok
+        routable[row] = clean_message(fixture.message, router.min_chars)[1]
         for name in fixture.expect:
             if name in position:
                 expected[row, position[name]] = True
-    vectors = router.encoder.embed(texts)
+    if vectors is None:
+        vectors = embed_fixtures(router, fixtures)
     scores = router.index.capability_scores(vectors, top_k or router.top_k)
     return ScoreTable(tuple(fixtures), names, np.asarray(scores, dtype=np.float32), routable, expected)
 

@@ -17,24 +17,30 @@ Scoring (measurements in ``benchmarks/results/index_choice.md``):
 
 - :meth:`TriggerIndex.capability_scores` (many queries, all capabilities; ``capd eval``): one
   BLAS matrix product, then a segmented top-k over each capability's block (k rounds of
-  ``np.maximum.reduceat``, exact with ties).
-- :meth:`TriggerIndex.top_capabilities` (one query, best n; the router's hot path): one BLAS
-  product gives every trigger's cosine. Up to ``SMALL_ROWS`` triggers every capability is
-  then scored. Above, only capabilities owning one of the L highest cosines are scored; L
-  grows until the n-th best exact score is above the L-th cosine, which proves that no
-  other capability can enter the top n (each of its cosines, hence its mean, is lower).
-- FAISS was measured for the nearest-trigger search (``faiss.knn`` and ``IndexFlatIP``, one
-  and two threads, on a quiet and on a busy machine, 1k to 100k triggers): it did not beat
-  the numpy product consistently at any size, and its ``IndexIDMap2`` updates rewrite the
-  whole index. It is therefore not used: one numpy matrix also gives lock-free snapshots.
+  ``np.maximum.reduceat``, exact with ties). Throughput is what counts there.
+- :meth:`TriggerIndex.top_capabilities` (one query, best n; the router's hot path) never
+  waits on a thread team: BLAS spreads even a small matrix-vector product over all cores,
+  and when another process holds one of them the product stalls for a scheduler slice
+  (measured on a busy 2-core box: p50 of 8-30 ms instead of under 1 ms at 2k-10k triggers,
+  depending on the run; one thread stayed at 0.3-1.9 ms).
+  Up to ``SMALL_ROWS`` triggers, every cosine comes from ``np.einsum`` (one thread, no
+  BLAS) and every capability is scored. Above, ``faiss.knn`` held to one thread (flat and
+  exact, over the snapshot's own rows: no copy and no FAISS index object) fetches the L
+  nearest triggers, and only capabilities owning one are scored, exactly; L grows until
+  the n-th best exact score is above the L-th cosine, which proves that no other
+  capability can enter the top n (each of its cosines, hence its mean, is lower).
+- No FAISS index object is kept: ``IndexIDMap2`` rewrites itself on every removal, while
+  one numpy matrix with per-capability blocks gives O(changed) updates and lock-free
+  consistent snapshots.
 - A per-capability cone bound (centroid plus angular radius) was measured and dropped: on
   real MiniLM embeddings of the shipped tap it excluded no capability at all.
-- Exactness means reading every trigger once per query: about 6-8 ms at 100k triggers on
+- Exactness means reading every trigger once per query: several ms at 100k triggers on
   this machine, more than one encode (memory bandwidth, not arithmetic, is the limit).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,7 +57,7 @@ from capd.vectorcache import CachedEmbedder, Progress
 
 Ints = npt.NDArray[np.int64]
 
-SMALL_ROWS = 4096  # up to here scoring every capability is cheaper for one query (crossover 4k-10k, measured)
+SMALL_ROWS = 8192  # up to here one query scores every capability; above, the nearest triggers first (measured)
 COMPACT_MIN_DEAD = 4096
 CHUNK_ELEMENTS = 1 << 22  # queries x rows per block in capability_scores (16 MiB of float32)
 
@@ -172,20 +178,20 @@ class _Snapshot:
     def rows(self) -> Vectors:
         return self.matrix[: self.n_rows]
 
-    def scores_from(self, sims: Vectors, which: Ints, k: int) -> npt.NDArray[np.float32]:
-        """Exact scores of the capabilities ``which`` from one query's cosines over all rows."""
+    def exact(self, query: Vectors, which: Ints, k: int) -> npt.NDArray[np.float32]:
+        """Exact scores of the capabilities ``which`` for one query, from their own rows."""
         counts = self.counts[which]
-        values = sims[_ranges(self.starts[which], counts)]
-        return np.asarray(segment_topk_mean(values[None, :], np.cumsum(counts) - counts, counts, k)[0],
+        sims = _dot(self.matrix[_ranges(self.starts[which], counts)], query)
+        return np.asarray(segment_topk_mean(sims[None, :], np.cumsum(counts) - counts, counts, k)[0],
                           dtype=np.float32)
 
-    def nearest_rows(self, sims: Vectors, length: int) -> Ints:
-        """The ``length`` rows with the highest cosines (dead rows included)."""
-        if length >= self.n_rows:
-            return np.arange(self.n_rows, dtype=np.int64)
-        return np.argpartition(-sims, length - 1)[:length].astype(np.int64)
+    def nearest_rows(self, query: Vectors, length: int) -> tuple[Vectors, Ints]:
+        """The ``length`` rows with the highest cosines (dead rows included), and those cosines."""
+        faiss = _faiss()
+        values, rows = faiss.knn(query[None, :], self.rows, length, metric=faiss.METRIC_INNER_PRODUCT)
+        return np.asarray(values[0], dtype=np.float32), np.asarray(rows[0], dtype=np.int64)
 
-    def top_by_triggers(self, sims: Vectors, k: int, n: int) -> tuple[Ints, npt.NDArray[np.float32]]:
+    def top_by_triggers(self, query: Vectors, k: int, n: int) -> tuple[Ints, npt.NDArray[np.float32]]:
         """Exact scores of a set of capabilities that provably contains the n best.
 
         A capability owning none of the L nearest rows has every cosine at or below the L-th
@@ -194,14 +200,14 @@ class _Snapshot:
         """
         length = min(self.n_rows, max(64, 16 * n * k))
         while True:
-            rows = self.nearest_rows(sims, length)
+            values, rows = self.nearest_rows(query, length)
             owners = self.row_owner[rows]
             which = np.unique(owners[owners >= 0])
             complete = length >= self.n_rows
             if len(which) >= n or complete:
-                scores = self.scores_from(sims, which, k)
+                scores = self.exact(query, which, k)
                 nth = float(np.partition(scores, len(scores) - n)[len(scores) - n])
-                if complete or nth > float(sims[rows].min()):
+                if complete or nth > float(values.min()):
                     return which, scores
             length = min(self.n_rows, length * 4)
 
@@ -215,6 +221,21 @@ class _Snapshot:
             sims = queries[i:i + step] @ self.rows.T
             out[i:i + step] = segment_topk_mean(sims, bounds, lengths, k)[:, segment_of]
         return out
+
+
+def _dot(rows: Vectors, query: Vectors) -> Vectors:
+    """``rows @ query`` on the calling thread: ``np.einsum`` does not hand the product to BLAS."""
+    return np.asarray(np.einsum("ij,j->i", rows, query), dtype=np.float32)
+
+
+@functools.cache
+def _faiss() -> Any:
+    """FAISS, imported on first use (it costs ~0.2 s of start-up) and held to one OpenMP thread:
+    for one query, its thread team only adds synchronisation. capd is its only user."""
+    import faiss
+
+    faiss.omp_set_num_threads(1)
+    return faiss
 
 
 def _queries(queries: npt.ArrayLike, dim: int) -> Vectors:
@@ -393,11 +414,12 @@ class TriggerIndex:
         n = min(n, len(snap.blocks))
         if n <= 0:
             return []
-        sims = np.asarray(snap.rows @ _queries(query, self.dim)[0], dtype=np.float32)
+        q = _queries(query, self.dim)[0]
         if snap.n_rows <= SMALL_ROWS:
             bounds, lengths, segment_of = snap.segments
-            return self._ranked(snap, segment_topk_mean(sims[None, :], bounds, lengths, k)[0][segment_of], n)
-        which, scores = snap.top_by_triggers(sims, k, n)
+            sims = _dot(snap.rows, q)[None, :]
+            return self._ranked(snap, segment_topk_mean(sims, bounds, lengths, k)[0][segment_of], n)
+        which, scores = snap.top_by_triggers(q, k, n)
         best = _best(scores, which, n)
         lookup = dict(zip(which.tolist(), scores.tolist(), strict=True))
         return [(snap.names[i], float(lookup[i])) for i in best.tolist()]
@@ -413,6 +435,6 @@ class TriggerIndex:
         if name not in snap.position:
             raise UnknownCapability(name)
         block = snap.blocks[snap.position[name]]
-        sims = snap.matrix[block.start:block.start + block.count] @ _queries(query, self.dim)[0]
+        sims = _dot(snap.matrix[block.start:block.start + block.count], _queries(query, self.dim)[0])
         order = np.argsort(-sims, kind="stable")[:k]
         return [(block.texts[i], float(sims[i])) for i in order.tolist()]

@@ -20,7 +20,7 @@ from typing import Any
 from capd.batching import MicroBatcher
 from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Encoder, open_encoder
-from capd.errors import UnknownCapability
+from capd.errors import StateError, UnknownCapability
 from capd.index import TriggerIndex
 from capd.metrics import Metrics
 from capd.models import manifest_for
@@ -86,6 +86,7 @@ class Service:
         self.started_at = time.monotonic()
         self.ready_after: float | None = None
         self.startup_error: str | None = None
+        self.state_error: str | None = None  # why session state is not stored on disk, if it is not
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -101,7 +102,7 @@ class Service:
             self.embedder = CachedEmbedder(self.encoder, self._open_cache())
             self.index = TriggerIndex(self.encoder.dim)
             if self._want_sessions:
-                store = SessionStore(self.settings.data_dir / "sessions.sqlite3")
+                store = self._open_sessions()
                 self.registry = SessionRegistry(store, self.catalog_now, max_active=self.settings.max_active,
                                                 pinned=self.settings.pinned, clock=self._clock,
                                                 ttl=self.settings.session_ttl)
@@ -115,6 +116,16 @@ class Service:
 
     def _open_cache(self) -> VectorCache:
         return VectorCache.open(self.settings.data_dir)
+
+    def _open_sessions(self) -> SessionStore:
+        """The session store; in memory (with a warning, and an error in health) if the file cannot be used."""
+        path = self.settings.data_dir / "sessions.sqlite3"
+        try:
+            return SessionStore(path)
+        except StateError as exc:
+            self.state_error = f"{exc}. Sessions are kept in memory only: they are lost when capd stops"
+            log.warning("%s", self.state_error)
+            return SessionStore(path, memory=True)
 
     def close(self) -> None:
         if isinstance(self.encoder, MicroBatcher):
@@ -263,6 +274,14 @@ class Service:
 
     # -- health ----------------------------------------------------------------------------
 
+    def _state_errors(self) -> list[dict[str, Any]]:
+        """The session file, while it cannot be written (capd then serves from memory)."""
+        store = self.registry.store if self.registry is not None else None
+        reason = self.state_error or (store.last_error if store is not None else None)
+        if store is None or reason is None:
+            return []
+        return [{"file": str(store.path), "line": None, "reason": reason}]
+
     def health(self) -> dict[str, Any]:
         catalog = self.catalog_now()
         return {
@@ -273,7 +292,8 @@ class Service:
             "triggers": catalog.trigger_count,
             "embedded": self.counters.embedded,
             "cached": self.counters.cached,
-            "errors": [{"file": p.file, "line": p.line, "reason": p.reason} for p in catalog.errors],
+            "errors": [{"file": p.file, "line": p.line, "reason": p.reason} for p in catalog.errors]
+            + self._state_errors(),
             "startup_error": self.startup_error,
         }
 

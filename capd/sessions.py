@@ -54,12 +54,13 @@ from capd.state import ActiveCapability, Origin, ServerSnapshot, SessionRecord, 
 
 log = logging.getLogger(__name__)
 
-SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# 1-128 of these characters, not all dots: "." and ".." name no session, only a path step.
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*")
 ActivationOrigin = Literal["auto", "manual"]
 
 
 def check_session_id(session: str) -> str:
-    if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
+    if not isinstance(session, str) or len(session) > 128 or not SESSION_ID.fullmatch(session):
         raise InvalidSessionId(str(session))
     return session
 

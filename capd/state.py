@@ -15,6 +15,9 @@ hands the store immutable :class:`SessionRecord` values to keep.
   that fails later (read-only directory, full disk, locked file) updates the cache anyway,
   keeps the change pending and raises :class:`~capd.errors.StateError`; the next write
   retries every pending change, so a running daemon can keep serving from memory.
+- ``SessionStore(path, memory=True)`` keeps everything in an in-memory database: the
+  service falls back to it (with a warning and an error in ``/v1/health``) when the file
+  cannot be opened at start, so a read-only data directory still gives a working daemon.
 """
 
 from __future__ import annotations
@@ -111,15 +114,23 @@ def _decode(session: str, last_seen: float, next_seq: int, active: str) -> Sessi
 class SessionStore:
     """Sessions in SQLite, cached in memory. Thread-safe; a write holds the file only to commit."""
 
-    def __init__(self, path: Path | str, *, timeout: float = 5.0) -> None:
+    def __init__(self, path: Path | str, *, timeout: float = 5.0, memory: bool = False) -> None:
+        """``memory=True``: an in-memory database that nothing outlives (the fallback when ``path``
+        cannot be opened); ``path`` then only names, in messages, the file it stands in for."""
         self.path = Path(path)
+        self.persistent = not memory
         self.last_error: str | None = None
         self._cache: dict[str, SessionRecord] = {}
         self._pending: dict[str, SessionRecord | None] = {}  # None = delete
         self._cache_lock = threading.Lock()  # brief: dict access only
         self._db_lock = threading.Lock()  # one writer on the connection at a time
-        self._conn: sqlite3.Connection | None = self._open(timeout)
+        self._conn: sqlite3.Connection | None = self._open_memory() if memory else self._open(timeout)
         self._cache = self._load()
+
+    def _open_memory(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self._migrate(conn)
+        return conn
 
     def _fail(self, doing: str, exc: BaseException) -> StateError:
         return StateError(f"{self.path}: cannot {doing} session state: {exc}; make the data directory "

@@ -15,8 +15,9 @@ Decisions where octomind is silent:
   several, the first by name is used and lint warns;
 - any file of a capability that cannot be read, parsed or validated skips that
   capability only, with a :class:`~capd.catalog.Problem` naming the file and line;
-- symlinks must stay inside the tap; files over 1 MiB, binary files and dangling links
-  are errors. capd never writes into a tap.
+- symlinks (to files or to capability folders) must stay inside the tap; files over 1 MiB,
+  binary files, dangling or looping links and anything but regular files (a FIFO would
+  block the loader) are errors. capd never writes into a tap.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -44,16 +46,32 @@ _TOML_POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
 _HEADER = re.compile(r"^#\s*(Title|Description)\s*:\s*(.*?)\s*$")
 
 
+def _resolve(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except RuntimeError:  # how pathlib before 3.13 reports a symlink loop
+        raise TapFileError(path, "symlink loop: the link points (eventually) to itself") from None
+    except OSError as exc:
+        raise TapFileError(path, f"cannot resolve: {exc.strerror or exc}") from None
+
+
 def read_tap_file(path: Path, root: Path) -> bytes:
     """Read one tap file with the guards every tap file gets; raises :class:`TapFileError`."""
+    target = _resolve(path)
     if path.is_symlink():
-        target = path.resolve()
         if not target.exists():
             raise TapFileError(path, f"symlink points to {os.readlink(path)!r}, which does not exist")
-        if not target.is_relative_to(root.resolve()):
+        if not target.is_relative_to(_resolve(root)):
             raise TapFileError(path, f"symlink points outside the tap ({target})")
+    elif not target.is_relative_to(_resolve(root)):  # reached through a symlinked folder
+        raise TapFileError(path, f"resolves outside the tap ({target}) through a symlinked folder")
     try:
-        size = path.stat().st_size
+        info = path.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise TapFileError(path, "is a directory, expected a TOML file")
+        if not stat.S_ISREG(info.st_mode):  # reading a FIFO would block the loader (and the daemon) forever
+            raise TapFileError(path, "is not a regular file (a pipe, socket or device), expected a TOML file")
+        size = info.st_size
         if size > MAX_FILE_BYTES:
             raise TapFileError(path, f"file is {size} bytes; tap files are limited to {MAX_FILE_BYTES} bytes")
         data = path.read_bytes()
@@ -199,8 +217,8 @@ def _pick_default(directory: Path, root: Path, providers: dict[str, Provider],
                   problems: list[Problem], name: str) -> Provider | None:
     default = directory / "default.toml"
     if default.is_symlink():
-        target = default.resolve()
-        read_tap_file(default, root)  # raises for dangling or escaping links
+        read_tap_file(default, root)  # raises for dangling, looping or escaping links
+        target = _resolve(default)
         for provider in providers.values():
             if provider.path.resolve() == target:
                 return provider
@@ -225,6 +243,8 @@ def load_capability(tap: Path, directory: Path) -> tuple[Capability | None, list
                                 capability=name, code="bad-name"))
         return None, problems
     try:
+        if not _resolve(directory).is_relative_to(_resolve(tap)):
+            raise TapFileError(directory, "capability folder is a symlink pointing outside the tap")
         config = directory / "config.toml"
         triggers: tuple[str, ...] = ()
         domains: tuple[str, ...] = ()

@@ -20,6 +20,7 @@ whose hashes are missing, and each distinct text once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import sqlite3
@@ -42,6 +43,7 @@ APPLICATION_ID = 0x63617064  # "capd": marks the file as ours
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 60.0
 CHUNK = 500  # SQL parameters per statement
+LOOKUP_SLICE = 4096  # texts looked up at a time by CachedEmbedder
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS vectors (
@@ -245,7 +247,8 @@ def _in_transaction(conn: sqlite3.Connection, immediate: bool, operation: Callab
     try:
         result = operation(conn)
     except BaseException:
-        conn.execute("ROLLBACK")
+        with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled back already; report the first error
+            conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
     return result
@@ -309,26 +312,39 @@ class CachedEmbedder:
             raise TypeError("embed() takes a sequence of texts, not one string")
         distinct = list(dict.fromkeys(texts))
         hashes = {t: text_hash(t) for t in distinct}
-        try:
-            found = self.cache.get_many(self.model_id, list(hashes.values()))
-        except CacheError as exc:
-            log.warning("vector cache read failed (%s); embedding everything", exc)
-            found = {}
-        vectors: dict[str, Vectors] = {t: found[h] for t, h in hashes.items()
-                                       if h in found and found[h].shape[0] == self.dim}
-        missing = [t for t in distinct if t not in vectors]
+        row_of = {t: i for i, t in enumerate(distinct)}
+        unique = np.zeros((len(distinct), self.dim), dtype=np.float32)
+        missing: list[str] = []
+        readable = True
+        # Read in slices, copying each straight into ``unique``: holding one small array per text for a
+        # whole large catalog (90k triggers: ~150 MB) left that much heap that glibc never gave back.
+        for start in range(0, len(distinct), LOOKUP_SLICE):
+            chunk = distinct[start:start + LOOKUP_SLICE]
+            found: dict[str, Vectors] = {}
+            if readable:
+                try:
+                    found = self.cache.get_many(self.model_id, [hashes[t] for t in chunk])
+                except CacheError as exc:
+                    log.warning("vector cache read failed (%s); embedding everything", exc)
+                    readable = False
+            for text in chunk:
+                vector = found.get(hashes[text])
+                if vector is not None and vector.shape[0] == self.dim:
+                    unique[row_of[text]] = vector
+                else:
+                    missing.append(text)
         if progress:
             progress(0, len(missing))
         for start in range(0, len(missing), self.batch_size):
             chunk = missing[start:start + self.batch_size]
             embedded = self.encoder.embed(chunk)
             self._store([(hashes[t], v) for t, v in zip(chunk, embedded, strict=True)])
-            vectors.update(zip(chunk, embedded, strict=True))
+            unique[[row_of[t] for t in chunk]] = embedded
             if progress:
                 progress(start + len(chunk), len(missing))
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for row, text in enumerate(texts):
-            out[row] = vectors[text]
+        if len(distinct) == len(texts):
+            return unique, len(missing), len(distinct) - len(missing)
+        out = unique[np.fromiter((row_of[t] for t in texts), dtype=np.int64, count=len(texts))]
         return out, len(missing), len(distinct) - len(missing)
 
     def _store(self, items: list[tuple[str, Vectors]]) -> None:

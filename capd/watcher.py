@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from watchdog import events
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
@@ -21,6 +22,17 @@ if TYPE_CHECKING:
     from capd.service import Service
 
 log = logging.getLogger(__name__)
+
+# Every kind of event the handler records; "opened" and "closed_no_write" are left out so that they
+# stay out of the inotify mask. Reading a large tap (10k capabilities: 30k files) otherwise overflows
+# the kernel's event queue, and watchdog's rescan after an overflow opens every directory again,
+# which overflows it again: the daemon then spent a whole core on it for as long as it ran.
+_EVENTS: list[type[FileSystemEvent]] = [
+    events.FileCreatedEvent, events.DirCreatedEvent, events.FileModifiedEvent, events.DirModifiedEvent,
+    events.FileDeletedEvent, events.DirDeletedEvent, events.FileMovedEvent, events.DirMovedEvent,
+    events.FileClosedEvent,
+    *(getattr(events, name) for name in ("FileAttribEvent", "DirAttribEvent") if hasattr(events, name)),
+]
 
 
 class _Queue(FileSystemEventHandler):
@@ -62,7 +74,7 @@ class TapWatcher:
         for tap in self._taps:
             # The parent, not recursively: a tap directory deleted, renamed or (re)created is seen too.
             if tap.parent.is_dir():
-                observer.schedule(self._handler, str(tap.parent), recursive=False)
+                observer.schedule(self._handler, str(tap.parent), recursive=False, event_filter=_EVENTS)
         self._observer = observer
         self._watch_taps()
         observer.start()
@@ -82,7 +94,8 @@ class TapWatcher:
                 del self._watches[tap]
                 current = None
             if current is None and inode is not None:
-                self._watches[tap] = (inode, self._observer.schedule(self._handler, str(tap), recursive=True))
+                self._watches[tap] = (inode, self._observer.schedule(self._handler, str(tap), recursive=True,
+                                                                      event_filter=_EVENTS))
 
     def stop(self) -> None:
         self._stop.set()
@@ -108,6 +121,7 @@ class TapWatcher:
             with self._lock:
                 paths, self._pending = self._pending, set()
             if paths and not self._stop.is_set():
+                self._watch_taps()  # first, so nothing written into a re-created tap is missed
                 self.apply_changes(paths)
                 self._watch_taps()
 

@@ -127,6 +127,7 @@ def test_metrics_and_reload(api: TestClient) -> None:
     assert 'capd_decisions_total{decision="activate"}' in text
     assert 'capd_decisions_total{decision="skipped"}' in text
     assert "capd_route_latency_seconds_count 2" in text and "capd_capabilities 5" in text
+    assert 'capd_requests_total{method="POST",path="/v1/route",status="200"} 2' in text
     reloaded = api.post("/v1/reload").json()
     assert reloaded["capabilities"] == 5 and reloaded["embedded"] == 0
 

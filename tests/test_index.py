@@ -96,7 +96,7 @@ def test_incremental_changes_match_the_reference() -> None:
                                    atol=2e-6)
 
 
-@pytest.mark.parametrize("small_rows", [10**9, 0])  # every capability scored, then the nearest-trigger path
+@pytest.mark.parametrize("small_rows", [10**9, 0])  # every capability scored, then the FAISS nearest-trigger path
 def test_top_capabilities_is_exact(monkeypatch: pytest.MonkeyPatch, small_rows: int) -> None:
     monkeypatch.setattr(index_module, "SMALL_ROWS", small_rows)
     rng = np.random.default_rng(11)
@@ -303,9 +303,9 @@ def test_nearest_trigger_search_widens_when_single_triggers_mislead(monkeypatch:
     lengths: list[int] = []
     original = index_module._Snapshot.nearest_rows
 
-    def spy(self: index_module._Snapshot, sims: Vectors, length: int) -> np.ndarray:
+    def spy(self: index_module._Snapshot, q: Vectors, length: int) -> tuple[Vectors, np.ndarray]:
         lengths.append(length)
-        return original(self, sims, length)
+        return original(self, q, length)
 
     monkeypatch.setattr(index_module._Snapshot, "nearest_rows", spy)
     got = index.top_capabilities(query, 3, 2)

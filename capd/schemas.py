@@ -1,0 +1,228 @@
+"""Request and response shapes of the HTTP API, for validation and the OpenAPI spec.
+
+Request bodies are validated. Response models are documentation only: handlers return plain
+dicts (a request pays no response validation), and the reliability suite (schemathesis)
+checks every response against these shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import Path
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+
+from capd.catalog import CapabilityKind, Severity
+from capd.router import DecisionKind
+
+SESSION_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"  # capd.sessions.SESSION_ID, for the spec
+SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=SESSION_PATTERN)]
+SessionPath = Annotated[str, Path(min_length=1, max_length=128, pattern=SESSION_PATTERN,
+                                  description="The agent's session id: 1-128 of A-Z a-z 0-9 . _ : - (not only dots)")]
+
+
+def _json_integer(value: object) -> object:
+    if isinstance(value, (bool, str)):  # pydantic's lax mode would take true as 1 and "5" as 5
+        raise ValueError("must be a JSON integer")
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+
+class RouteBody(BaseModel):
+    session: SessionId | None = Field(None, description="The agent's session id; omit to route without a session.")
+    message: str = Field(..., description="The user's message (tags are stripped before routing).")
+
+
+class DiscoverBody(BaseModel):
+    intent: str = Field(..., description="What the user wants to do.")
+    limit: JsonInt = Field(5, ge=1, le=100)
+
+
+class NameBody(BaseModel):
+    name: str = Field(..., min_length=1, max_length=128)
+
+
+class ToolResultBody(BaseModel):
+    tool: str = Field(..., min_length=1, max_length=256)
+    server: str = Field(..., min_length=1, max_length=256)
+    ok: StrictBool  # not 1, "yes" or "true"
+
+
+class CapabilityCall(BaseModel):
+    action: Literal["list", "discover", "enable", "disable"]
+    name: str | None = Field(None, max_length=128)
+    intent: str | None = None
+
+
+# -- response shapes: documentation only (handlers return plain dicts, so a request pays no validation);
+#    the reliability suite (schemathesis) checks every response against them. ---------------------------
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorOut(_Out):
+    error: str
+    detail: str
+
+
+class CandidateOut(_Out):
+    name: str
+    score: float
+
+
+class ServerOut(BaseModel):
+    """An ``[[mcp.servers]]`` entry verbatim (``{{ENV:…}}`` unresolved); tap-defined keys pass through."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    type: str
+    command: str | None
+    args: list[str]
+    url: str | None
+    timeout_seconds: float | None
+
+
+class StartOut(_Out):
+    capability: str
+    server: ServerOut
+    tools: list[str]
+
+
+class TeardownOut(_Out):
+    capability: str
+    server: str
+    kill: bool
+    tools: list[str]
+
+
+class PlanOut(_Out):
+    start: list[StartOut]
+    teardown: list[TeardownOut]
+    active: list[str]
+
+
+class FileErrorOut(_Out):
+    file: str
+    line: int | None
+    reason: str
+
+
+class HealthOut(_Out):
+    status: Literal["ok", "starting", "error"]
+    ready: bool
+    model: str
+    capabilities: int
+    triggers: int
+    embedded: int
+    cached: int
+    errors: list[FileErrorOut]
+    startup_error: str | None
+
+
+class CapabilityOut(_Out):
+    name: str
+    kind: CapabilityKind
+    title: str | None
+    description: str | None
+    domains: list[str]
+    triggers: int
+    servers: list[str]
+    tap: str
+    active: bool
+
+
+class CapabilitiesOut(_Out):
+    capabilities: list[CapabilityOut]
+
+
+class DiscoverOut(_Out):
+    candidates: list[CandidateOut]
+
+
+class RouteOut(_Out):
+    decision: DecisionKind
+    capability: str | None
+    score: float | None
+    margin: float | None
+    reason: str
+    candidates: list[CandidateOut]
+    plan: PlanOut | None
+
+
+class ActiveServerOut(_Out):
+    name: str
+    tools: list[str]
+
+
+class ActiveOut(_Out):
+    name: str
+    last_used: float
+    origin: Literal["auto", "manual", "pinned"]
+    servers: list[ActiveServerOut]
+
+
+class SessionOut(_Out):
+    session: str
+    last_seen: float
+    active: list[ActiveOut]
+
+
+class DroppedOut(_Out):
+    dropped: str
+    plan: PlanOut
+
+
+class BumpedOut(_Out):
+    bumped: list[str]
+
+
+class ProblemOut(_Out):
+    severity: Severity
+    code: str
+    file: str
+    line: int | None
+    capability: str | None
+    reason: str
+
+
+class ReloadOut(_Out):
+    capabilities: int
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    embedded: int
+    cached: int
+    errors: list[ProblemOut]
+
+
+class CapabilityToolOut(_Out):
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+class CapabilityCallOut(_Out):
+    text: str
+    plan: PlanOut | None
+    error: str | None = None
+    candidates: list[CandidateOut] | None = None
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorOut, "description": "Bad input, unknown session or capability, missing token"},
+    503: {"model": ErrorOut, "description": "Still warming up, or running without sessions"},
+}
+
+
+def responses_for(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": "Success"}, **ERRORS}
+
+
+# /metrics answers text, but its errors are JSON like every other endpoint's.
+TEXT_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": doc["description"],
+           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}}
+    for code, doc in ERRORS.items()}
