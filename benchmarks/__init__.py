@@ -1,0 +1,1 @@
+"""capd's benchmarks: ``python -m benchmarks.run`` runs every ``bench_*.py`` module's ``main()``."""

@@ -1,0 +1,588 @@
+"""Daemon benchmark: a real ``capd serve`` process over loopback HTTP, against the bare encoder.
+
+Run: ``.venv/bin/python -m benchmarks.bench_daemon`` (about 8 minutes once the cache is warm;
+the first run also generates the taps and embeds about 100k triggers, a few minutes more)
+or ``--quick`` (about 1.5 minutes: the 60 and 1,000 capability taps only, shorter loops).
+Writes ``benchmarks/results/daemon{,-quick}.json``, ``.md`` and ``.png``.
+
+For taps of about 60, 1,000 and 10,000 generated capabilities (:mod:`benchmarks.gen_tap`):
+
+- route latency p50 / p99, one keep-alive httpx client, distinct messages, each with a session
+  id; in blocks interleaved with the bare ONNX encode of the same messages in this process,
+  so that background load hits both alike;
+- throughput with 1, 8 and 32 concurrent clients (threads, one keep-alive client each);
+- RSS of the daemon after the load; warm start to ready (process spawn to ``/v1/health``
+  ready) with the cached data dir, cold start with an empty one (ONNX export + embedding);
+- in this process: the bare single-message encode (ONNX and torch), capd's scoring
+  (``TriggerIndex.top_capabilities``) and the anchor rule's scoring (mean of the top-3 trigger
+  cosines of every capability, brute force in numpy) for the same message vectors.
+
+Taps and data dirs are cached under ``benchmarks/.cache/`` so reruns are warm. The 10,000
+capability cold start (about 90k triggers to embed) is measured only when that cache is built
+and reported with its date. Every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from filelock import FileLock
+
+from benchmarks import gen_tap
+from capd.encoder import Encoder, open_encoder
+from capd.index import TriggerIndex
+from capd.settings import Settings
+from capd.text import clean_message
+from capd.vectorcache import CachedEmbedder, VectorCache
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+CACHE = ROOT / "benchmarks" / ".cache"
+CLIENTS = (1, 8, 32)
+TOP_K = 3
+BLOCK = 50  # messages per interleaved block (bare encode, then route)
+
+
+@dataclass(frozen=True)
+class Plan:
+    sizes: tuple[int, ...] = (60, 1_000, 10_000)
+    latency_messages: int = 1_000
+    latency_budget_s: float = 30.0
+    torch_messages: int = 300
+    level_seconds: float = 6.0
+    level_max_requests: int = 20_000
+    warm_runs: int = 3
+    cold_sizes: tuple[int, ...] = (60, 1_000)
+    torch_daemon: bool = True
+    scoring_messages: int = 300
+    ready_timeout_s: float = 900.0
+
+
+FULL = Plan()
+QUICK = Plan(sizes=(60, 1_000), latency_messages=300, latency_budget_s=10.0, torch_messages=100, level_seconds=2.5,
+             warm_runs=2, cold_sizes=(60,), torch_daemon=False, scoring_messages=100)
+
+
+# -- small helpers ----------------------------------------------------------------------------
+
+def stats(samples_ms: list[float]) -> dict[str, float]:
+    ordered = sorted(samples_ms)
+    if not ordered:
+        return {"n": 0}
+    return {"n": len(ordered), "p50_ms": round(statistics.median(ordered), 3),
+            "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
+            "mean_ms": round(statistics.fmean(ordered), 3)}
+
+
+def timed(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return (time.perf_counter() - started) * 1000
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
+# -- the daemon process -----------------------------------------------------------------------
+
+class Daemon:
+    """One ``python -m capd serve`` process on a free loopback port; stderr goes to a log file."""
+
+    def __init__(self, tap: Path, data_dir: Path, log_dir: Path, backend: str = "onnx") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"daemon-{self.port}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CAPD_")}
+        env["XDG_CONFIG_HOME"] = str(log_dir)  # no user config file leaks into the measurement
+        command = [sys.executable, "-m", "capd", "serve", "--tap", str(tap), "--data-dir", str(data_dir),
+                   "--port", str(self.port), "--backend", backend]
+        self._log = self.log_path.open("wb")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log, env=env, cwd=ROOT)
+
+    def wait_ready(self, timeout: float) -> tuple[float, dict[str, Any]]:
+        """Seconds from spawn to ``ready: true``, and the health payload."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(base_url=self.url, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    health = client.get("/v1/health").json()
+                    if health.get("ready"):
+                        return time.perf_counter() - self.started, health
+                    if health.get("startup_error"):
+                        raise RuntimeError(f"daemon failed to start: {health['startup_error']}")
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.02)
+        raise RuntimeError(f"daemon not ready after {timeout} s:\n{self.log_tail()}")
+
+    def memory_mb(self) -> dict[str, float]:
+        fields: dict[str, float] = {}
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = round(int(value.split()[0]) / 1024, 1)
+        return {"rss_mb": fields["VmRSS"], "peak_rss_mb": fields["VmHWM"]}
+
+    def cpu_seconds(self) -> float:
+        parts = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+    def log_tail(self, lines: int = 20) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+@contextmanager
+def running(tap: Path, data_dir: Path, log_dir: Path, timeout: float,
+            backend: str = "onnx") -> Iterator[tuple[Daemon, float, dict[str, Any]]]:
+    daemon = Daemon(tap, data_dir, log_dir, backend)
+    try:
+        seconds, health = daemon.wait_ready(timeout)
+        yield daemon, seconds, health
+    finally:
+        daemon.stop()
+
+
+def fresh_sessions(data_dir: Path) -> None:
+    """Sessions from an earlier run would grow the store every rerun; vectors and ONNX stay."""
+    for suffix in ("", "-wal", "-shm"):
+        (data_dir / f"sessions.sqlite3{suffix}").unlink(missing_ok=True)
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+def route_and_encode(daemon: Daemon, encoder: Encoder, messages: list[str], budget_s: float,
+                     prefix: str) -> dict[str, Any]:
+    """One client: route latency, interleaved by block with the bare encode of the same messages."""
+    routes: list[float] = []
+    encodes: list[float] = []
+    decisions: dict[str, int] = {}
+    deadline = time.monotonic() + budget_s
+    with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
+        for i in range(20):  # warm the connection, the threadpool and the model
+            client.post("/v1/route", json={"session": f"{prefix}-warm", "message": f"warm up {i}: {messages[i]}"})
+        for start in range(0, len(messages), BLOCK):
+            if time.monotonic() > deadline:
+                break
+            block = messages[start:start + BLOCK]
+            for message in block:
+                text = clean_message(message, 0)[0]
+                encodes.append(timed(lambda t=text: encoder.embed([t])))  # type: ignore[misc]
+            for offset, message in enumerate(block):
+                body = {"session": f"{prefix}-{(start + offset) // 25}", "message": message}
+                began = time.perf_counter()
+                response = client.post("/v1/route", json=body)
+                payload = response.json()
+                routes.append((time.perf_counter() - began) * 1000)
+                response.raise_for_status()
+                decisions[payload["decision"]] = decisions.get(payload["decision"], 0) + 1
+    return {"route": stats(routes), "encode": stats(encodes), "decisions": decisions}
+
+
+def throughput(daemon: Daemon, messages: list[str], clients: int, seconds: float, max_requests: int,
+               prefix: str) -> dict[str, Any]:
+    """``clients`` threads, each with its own keep-alive client and session, for ``seconds``."""
+    done = [0] * clients
+    errors = [0] * clients
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    start_line = threading.Barrier(clients + 1)
+    stop_at = [0.0]
+    per_client = max(1, max_requests // clients)
+
+    def work(slot: int) -> None:
+        with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
+            client.post("/v1/route", json={"session": f"{prefix}-{slot}", "message": messages[slot]})
+            start_line.wait()
+            i = slot * 97
+            while time.perf_counter() < stop_at[0] and done[slot] < per_client:
+                began = time.perf_counter()
+                response = client.post("/v1/route", json={"session": f"{prefix}-{slot}",
+                                                          "message": messages[i % len(messages)]})
+                latencies[slot].append((time.perf_counter() - began) * 1000)
+                if response.status_code != 200:
+                    errors[slot] += 1
+                done[slot] += 1
+                i += 1
+
+    workers = [threading.Thread(target=work, args=(slot,), daemon=True) for slot in range(clients)]
+    for worker in workers:
+        worker.start()
+    cpu_before, own_before = daemon.cpu_seconds(), time.process_time()
+    stop_at[0] = time.perf_counter() + seconds
+    began = time.perf_counter()
+    start_line.wait()
+    for worker in workers:
+        worker.join(seconds + 60)
+    wall = time.perf_counter() - began
+    merged = [x for per in latencies for x in per]
+    daemon_cpu = daemon.cpu_seconds() - cpu_before
+    return {"clients": clients, "requests": sum(done), "errors": sum(errors), "seconds": round(wall, 2),
+            "requests_per_s": round(sum(done) / wall, 1), "latency": stats(merged),
+            "daemon_cpu_share": round(daemon_cpu / wall, 2),
+            "daemon_cpu_ms_per_request": round(1000 * daemon_cpu / max(sum(done), 1), 2),
+            "client_cpu_share": round((time.process_time() - own_before) / wall, 2)}
+
+
+def encoder_rates(encoder: Encoder, messages: list[str], seconds: float) -> dict[str, float]:
+    """The bare encoder's own rates in this process: one message at a time, and batches of 32
+    (what the micro-batcher hands it at best). Batched over single bounds any client speed-up."""
+    rates: dict[str, float] = {}
+    for label, size in (("single_per_s", 1), ("batch32_per_s", 32)):
+        done, began = 0, time.perf_counter()
+        while time.perf_counter() - began < seconds and done < 20_000:
+            encoder.embed(messages[done % 3_000:done % 3_000 + size])
+            done += size
+        rates[label] = round(done / (time.perf_counter() - began), 1)
+    return rates
+
+
+def scoring(size: int, encoder: Encoder, data_dir: Path, messages: list[str]) -> dict[str, Any]:
+    """capd's top-n scoring and the anchor's brute-force mean-top-3, per message vector."""
+    names, texts, owner = [], [], []
+    for number, (name, product, facet) in enumerate(gen_tap.pairs()[:size]):
+        triggers = gen_tap.triggers_for(name, product, facet)
+        names.append(name)
+        texts += triggers
+        owner += [number] * len(triggers)
+    with VectorCache.open(data_dir) as cache:
+        vectors, embedded, _ = CachedEmbedder(encoder, cache).embed(texts)
+    index = TriggerIndex(encoder.dim)
+    owners = np.array(owner)
+    bounds = np.searchsorted(owners, np.arange(size))
+    counts = np.diff(np.append(bounds, len(owners)))
+    for number, name in enumerate(names):
+        index.set_capability(name, "f", texts[bounds[number]:bounds[number] + counts[number]],
+                             vectors[bounds[number]:bounds[number] + counts[number]])
+    width = int(counts.max())
+    gather = bounds[:, None] + np.minimum(np.arange(width)[None, :], counts[:, None] - 1)
+    valid = np.arange(width)[None, :] < counts[:, None]
+    queries = encoder.embed([clean_message(m, 0)[0] for m in messages])
+
+    def anchor(vector: np.ndarray) -> tuple[int, int]:
+        sims = vectors @ vector
+        padded = np.where(valid, sims[gather], -np.inf)
+        scores = -np.partition(-padded, TOP_K - 1, axis=1)[:, :TOP_K].mean(axis=1)
+        best = np.argpartition(-scores, 1)[:2]
+        return int(best[0]), int(best[1])
+
+    for query in queries[:10]:
+        anchor(query)
+        index.top_capabilities(query, TOP_K, 5)
+    return {"triggers": len(texts), "embedded_for_scoring": embedded,
+            "capd_top5": stats([timed(lambda q=q: index.top_capabilities(q, TOP_K, 5)) for q in queries]),
+            "anchor_brute": stats([timed(lambda q=q: anchor(q)) for q in queries])}
+
+
+def torch_bare(plan: Plan, settings: Settings, messages: list[str]) -> tuple[Encoder, dict[str, Any]]:
+    torch = open_encoder(replace(settings, backend="torch"))
+    for message in messages[:10]:
+        torch.embed([message])
+    return torch, stats([timed(lambda m=m: torch.embed([m])) for m in messages[:plan.torch_messages]])  # type: ignore[misc]
+
+
+def prime(size: int, tap: Path, data_dir: Path, log_dir: Path, plan: Plan) -> dict[str, Any]:
+    """Fill the size's cached data dir once; that first start is a cold start, kept with its date.
+
+    The cache is filled in a scratch directory and renamed into place when complete, under a
+    file lock, so an interrupted or concurrent run never leaves or uses a half-filled cache.
+    """
+    marker = data_dir / "primed.json"
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(data_dir) + ".lock"):
+        if marker.is_file():
+            record: dict[str, Any] = json.loads(marker.read_text())
+            return record
+        print(f"   priming the cache for {size:,} capabilities (first run only)...", flush=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f"{data_dir.name}-", dir=data_dir.parent))
+        try:
+            load = load_average()
+            with running(tap, scratch, log_dir, plan.ready_timeout_s) as (_, seconds, health):
+                record = {"seconds": round(seconds, 2), "embedded": health["embedded"], "load_average": load,
+                          "when": time.strftime("%Y-%m-%d %H:%M")}
+            (scratch / "primed.json").write_text(json.dumps(record))
+            shutil.rmtree(data_dir, ignore_errors=True)
+            scratch.rename(data_dir)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return record
+
+
+def cold_start(tap: Path, log_dir: Path, plan: Plan) -> dict[str, Any]:
+    data_dir = Path(tempfile.mkdtemp(prefix="capd-cold-"))
+    try:
+        with running(tap, data_dir, log_dir, plan.ready_timeout_s) as (_, seconds, health):
+            return {"seconds": round(seconds, 2), "embedded": health["embedded"], "measured": "this run"}
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def bench_size(size: int, plan: Plan, onnx: Encoder, messages: list[str], log_dir: Path) -> dict[str, Any]:
+    tap = gen_tap.cached_tap(size, CACHE)
+    data_dir = CACHE / f"data-{size}-v{gen_tap.VERSION}"
+    primed = prime(size, tap, data_dir, log_dir, plan)
+    out: dict[str, Any] = {"capabilities": size}
+    if size in plan.cold_sizes:
+        out["cold_start"] = cold_start(tap, log_dir, plan)
+    else:
+        out["cold_start"] = {**primed, "measured": f"when the cache was built ({primed['when']})"}
+    warm = []
+    for _ in range(plan.warm_runs - 1):
+        fresh_sessions(data_dir)
+        with running(tap, data_dir, log_dir, plan.ready_timeout_s) as (_, seconds, health):
+            warm.append(seconds)
+    fresh_sessions(data_dir)
+    with running(tap, data_dir, log_dir, plan.ready_timeout_s) as (daemon, seconds, health):
+        warm.append(seconds)
+        out["warm_start"] = {"seconds": round(statistics.median(warm), 3), "runs": [round(s, 3) for s in warm],
+                             "embedded": health["embedded"], "cached": health["cached"],
+                             "triggers": health["triggers"]}
+        out["memory_idle"] = daemon.memory_mb()
+        out["one_client"] = route_and_encode(daemon, onnx, messages[:plan.latency_messages], plan.latency_budget_s,
+                                             f"lat{size}")
+        out["encoder_rates"] = encoder_rates(onnx, messages, plan.level_seconds / 2)
+        out["throughput"] = {}
+        for clients in CLIENTS:
+            out["throughput"][str(clients)] = throughput(daemon, messages, clients, plan.level_seconds,
+                                                         plan.level_max_requests, f"tp{size}-{clients}")
+        out["memory"] = daemon.memory_mb()
+    out["scoring"] = scoring(size, onnx, data_dir, messages[:plan.scoring_messages])
+    return out
+
+
+def torch_route(plan: Plan, torch: Encoder, messages: list[str], log_dir: Path) -> dict[str, Any]:
+    """A torch-backend daemon on the smallest tap: route vs bare torch encode, interleaved."""
+    size = plan.sizes[0]
+    tap, data_dir = gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}"
+    fresh_sessions(data_dir)
+    with running(tap, data_dir, log_dir, plan.ready_timeout_s, backend="torch") as (daemon, seconds, _):
+        result = route_and_encode(daemon, torch, messages[:plan.torch_messages], plan.latency_budget_s, "torch")
+        return {"capabilities": size, "start_s": round(seconds, 2), **result}
+
+
+# -- targets, report --------------------------------------------------------------------------
+
+def derive(result: dict[str, Any]) -> None:
+    """Ratios and pass / fail per target, from the measured figures."""
+    sizes = result["sizes"]
+    small, large = sizes[0], sizes[-1]
+    targets: list[dict[str, Any]] = []
+
+    def target(name: str, value: float, limit: float, unit: str, higher_is_better: bool = False) -> None:
+        ok = value >= limit if higher_is_better else value <= limit
+        targets.append({"target": name, "value": value, "limit": limit, "unit": unit,
+                        "pass": bool(ok), "comparison": ">=" if higher_is_better else "<="})
+
+    for size in sizes:
+        row = result["by_size"][str(size)]
+        one, tp = row["one_client"], row["throughput"]
+        enc, route = one["encode"]["p50_ms"], one["route"]["p50_ms"]
+        batched = row["encoder_rates"]["batch32_per_s"]
+        anchor = row["scoring"]["anchor_brute"]["p50_ms"]
+        row["ratios"] = {
+            "route_p50_over_encode_p50": ratio(route, enc),
+            "route_p99_over_route_p50": ratio(one["route"]["p99_ms"], route),
+            "route_p50_over_anchor_in_process": ratio(route, enc + anchor),
+            "capd_scoring_over_encode": ratio(row["scoring"]["capd_top5"]["p50_ms"], enc),
+            "anchor_scoring_over_encode": ratio(anchor, enc),
+            "throughput_8_over_1": ratio(tp["8"]["requests_per_s"], tp["1"]["requests_per_s"]),
+            "throughput_32_over_1": ratio(tp["32"]["requests_per_s"], tp["1"]["requests_per_s"]),
+            "route_p50_over_smallest": ratio(route, result["by_size"][str(small)]["one_client"]["route"]["p50_ms"]),
+            "throughput_32_over_encoder_batch32": ratio(tp["32"]["requests_per_s"], batched),
+            "encoder_batch32_over_1_client": ratio(batched, tp["1"]["requests_per_s"]),
+        }
+        label = f"{size:,} caps"
+        target(f"route p50 / bare ONNX encode p50 ({label})", row["ratios"]["route_p50_over_encode_p50"], 1.3, "x")
+        target(f"route p99 / p50 ({label})", row["ratios"]["route_p99_over_route_p50"], 3.0, "x")
+        target(f"throughput 32 clients / 1 client ({label})", row["ratios"]["throughput_32_over_1"], 4.0, "x",
+               higher_is_better=True)
+        target(f"warm start to ready ({label})", row["warm_start"]["seconds"], 3.0, "s")
+    if "torch" in result:
+        torch = result["torch"]
+        torch["route_p50_over_encode_p50"] = ratio(torch["route"]["p50_ms"], torch["encode"]["p50_ms"])
+        target(f"route p50 / bare torch encode p50 ({small:,} caps, torch daemon)",
+               torch["route_p50_over_encode_p50"], 1.3, "x")
+    if large >= 10_000:
+        target(f"RSS after load ({large:,} caps)", result["by_size"][str(large)]["memory"]["rss_mb"], 600, "MB")
+        target(f"route p50 {large:,} caps / {small:,} caps",
+               result["by_size"][str(large)]["ratios"]["route_p50_over_smallest"], 1.2, "x")
+    result["targets"] = targets
+
+
+def markdown(result: dict[str, Any]) -> str:
+    sizes = result["sizes"]
+    rows = result["by_size"]
+
+    def cells(getter: Callable[[dict[str, Any]], object]) -> str:
+        return " | ".join(str(getter(rows[str(s)])) for s in sizes)
+
+    head = "| measure | " + " | ".join(f"{s:,} caps" for s in sizes) + " |"
+    lines = [
+        f"# Daemon benchmark{' (quick)' if result['quick'] else ''}",
+        "",
+        f"`{result['command']}` on {result['machine']}; load average {result['load_before']} before, "
+        f"{result['load_after']} after; {result['minutes']} min. Real `capd serve` process, loopback HTTP, "
+        "keep-alive httpx clients, ONNX backend, distinct messages with session ids.",
+        "",
+        head,
+        "|---|" + "---|" * len(sizes),
+        "| triggers | " + cells(lambda r: f"{r['warm_start']['triggers']:,}") + " |",
+        "| route p50 / p99, 1 client (ms) | " + cells(
+            lambda r: f"{r['one_client']['route']['p50_ms']:.2f} / {r['one_client']['route']['p99_ms']:.2f}") + " |",
+        "| bare ONNX encode p50 / p99, same messages (ms) | " + cells(
+            lambda r: f"{r['one_client']['encode']['p50_ms']:.2f} / {r['one_client']['encode']['p99_ms']:.2f}") + " |",
+        "| **route p50 / bare encode p50** | " + cells(lambda r: f"**{r['ratios']['route_p50_over_encode_p50']}x**")
+        + " |",
+        "| route p99 / route p50 | " + cells(lambda r: f"{r['ratios']['route_p99_over_route_p50']}x") + " |",
+        "| capd scoring, top-5 exact (ms; / encode) | " + cells(
+            lambda r: f"{r['scoring']['capd_top5']['p50_ms']:.3f} ({r['ratios']['capd_scoring_over_encode']}x)")
+        + " |",
+        "| anchor rule scoring, brute mean-top-3 (ms; / encode) | " + cells(
+            lambda r: f"{r['scoring']['anchor_brute']['p50_ms']:.3f} ({r['ratios']['anchor_scoring_over_encode']}x)")
+        + " |",
+        "| route p50 / in-process anchor (encode + brute scoring) | " + cells(
+            lambda r: f"{r['ratios']['route_p50_over_anchor_in_process']}x") + " |",
+        "| route p50 / route p50 of the smallest tap | " + cells(
+            lambda r: f"{r['ratios']['route_p50_over_smallest']}x") + " |",
+    ]
+    for clients in CLIENTS:
+        def level(r: dict[str, Any], c: int = clients) -> str:
+            row = r["throughput"][str(c)]
+            return f"{row['requests_per_s']} ({row['latency']['p50_ms']:.1f} / {row['latency']['p99_ms']:.1f})"
+        lines.append(f"| throughput, {clients} client{'s' if clients > 1 else ''} (req/s; p50 / p99 ms) | "
+                     + cells(level) + " |")
+    lines += [
+        "| **throughput 32 / 1 client** | " + cells(lambda r: f"**{r['ratios']['throughput_32_over_1']}x**") + " |",
+        "| bare ONNX encoder in process: 1 at a time / batches of 32 (msg/s) | " + cells(
+            lambda r: f"{r['encoder_rates']['single_per_s']} / {r['encoder_rates']['batch32_per_s']}") + " |",
+        "| ceiling for 32 / 1 client: batched encoder / 1-client throughput | " + cells(
+            lambda r: f"{r['ratios']['encoder_batch32_over_1_client']}x") + " |",
+        "| daemon CPU per request, 1 / 32 clients (ms) | " + cells(
+            lambda r: f"{r['throughput']['1']['daemon_cpu_ms_per_request']} / "
+                      f"{r['throughput']['32']['daemon_cpu_ms_per_request']}") + " |",
+        "| RSS idle / after load (MB) | " + cells(lambda r: f"{r['memory_idle']['rss_mb']:.0f} / "
+                                                 f"{r['memory']['rss_mb']:.0f}") + " |",
+        "| warm start to ready (s, median) | " + cells(lambda r: f"{r['warm_start']['seconds']:.2f}") + " |",
+        "| cold start to ready (s; empty data dir) | " + cells(
+            lambda r: f"{r['cold_start']['seconds']:.1f}" + ("" if r["cold_start"]["measured"] == "this run"
+                                                            else "†")) + " |",
+        "",
+    ]
+    torch = result.get("torch")
+    if torch:
+        lines += [f"Torch backend ({torch['capabilities']} caps): route p50 / p99 {torch['route']['p50_ms']:.2f} / "
+                  f"{torch['route']['p99_ms']:.2f} ms, bare torch encode p50 {torch['encode']['p50_ms']:.2f} ms: "
+                  f"**{torch['route_p50_over_encode_p50']}x**. Bare ONNX / torch encode p50: "
+                  f"{result['onnx_over_torch']}x.", ""]
+    elif "torch_encode" in result:
+        lines += [f"Bare torch encode p50 / p99: {result['torch_encode']['p50_ms']:.2f} / "
+                  f"{result['torch_encode']['p99_ms']:.2f} ms (ONNX / torch: {result['onnx_over_torch']}x).", ""]
+    cold_notes = [f"{s:,}: {rows[str(s)]['cold_start']['measured']}" for s in sizes
+                  if rows[str(s)]["cold_start"]["measured"] != "this run"]
+    if cold_notes:
+        lines += [f"† measured {'; '.join(cold_notes)}, not in this run.", ""]
+    lines += ["## Targets", "", "| target | measured | limit | |", "|---|---|---|---|"]
+    for t in result["targets"]:
+        lines.append(f"| {t['target']} | {t['value']} {t['unit']} | {t['comparison']} {t['limit']} {t['unit']} | "
+                     f"{'pass' if t['pass'] else '**miss**'} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description="capd daemon benchmark")
+    parser.add_argument("--quick", action="store_true", help="60 and 1,000 capabilities, short loops (~1.5 min)")
+    args = parser.parse_args(argv if argv is not None else [])
+    plan = QUICK if args.quick else FULL
+    began = time.perf_counter()
+    load_before = load_average()
+    log_dir = Path(tempfile.mkdtemp(prefix="capd-bench-daemon-"))
+    messages = gen_tap.messages(4_000, tap_size=plan.sizes[0])
+    result: dict[str, Any] = {
+        "command": ".venv/bin/python -m benchmarks.bench_daemon" + (" --quick" if args.quick else ""),
+        "machine": f"{os.cpu_count()} CPUs", "quick": args.quick, "plan": asdict(plan), "load_before": load_before,
+        "sizes": list(plan.sizes), "by_size": {},
+    }
+    try:
+        settings = Settings(data_dir=CACHE / f"data-{plan.sizes[0]}-v{gen_tap.VERSION}", backend="onnx", taps=())
+        gen_tap.cached_tap(plan.sizes[0], CACHE)
+        prime(plan.sizes[0], gen_tap.cached_tap(plan.sizes[0], CACHE), settings.data_dir, log_dir, plan)
+        onnx = open_encoder(settings)
+        for message in messages[:20]:
+            onnx.embed([message])
+        for size in plan.sizes:
+            print(f"== {size:,} capabilities", flush=True)
+            result["by_size"][str(size)] = bench_size(size, plan, onnx, messages, log_dir)
+        torch, result["torch_encode"] = torch_bare(plan, settings, messages)
+        if plan.torch_daemon:
+            print("== torch backend", flush=True)
+            result["torch"] = torch_route(plan, torch, messages, log_dir)
+            torch_p50 = result["torch"]["encode"]["p50_ms"]
+        else:
+            torch_p50 = result["torch_encode"]["p50_ms"]
+        result["onnx_over_torch"] = ratio(result["by_size"][str(plan.sizes[0])]["one_client"]["encode"]["p50_ms"],
+                                          torch_p50)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    result["load_after"] = load_average()
+    result["minutes"] = round((time.perf_counter() - began) / 60, 1)
+    derive(result)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = "daemon-quick" if args.quick else "daemon"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    text = markdown(result)
+    (RESULTS / f"{stem}.md").write_text(text, encoding="utf-8")
+    try:
+        from benchmarks.plot import plot
+        plot(result, RESULTS / f"{stem}.png")
+    except ImportError as exc:
+        print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
