@@ -137,7 +137,22 @@ class HashEncoder:
         return l2_normalize(matrix) if self._normalize else matrix
 
 
-class OnnxEncoder:
+class _ModelEncoder:
+    """What the real backends share: identity and dimension, set by their constructors."""
+
+    _model_id: str
+    _dim: int
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+
+class OnnxEncoder(_ModelEncoder):
     """ONNX Runtime over the exported graph; tokenisation by ``tokenizers``; numpy pooling."""
 
     def __init__(self, onnx_path: Path, model_dir: Path, *, model_id: str, dim: int, pooling: str = "mean",
@@ -191,14 +206,6 @@ class OnnxEncoder:
             return cls(ensure_onnx(resolved.directory, resolved.weights_sha256, data_dir), resolved.directory,
                        **kwargs)
 
-    @property
-    def model_id(self) -> str:
-        return self._model_id
-
-    @property
-    def dim(self) -> int:
-        return self._dim
-
     def embed(self, texts: Sequence[str]) -> Vectors:
         items = [self._prefix + t for t in _check_texts(texts)]
         out = np.empty((len(items), self._dim), dtype=np.float32)
@@ -219,7 +226,7 @@ class OnnxEncoder:
         return pool(np.asarray(hidden), arrays["attention_mask"], self._pooling)
 
 
-class TorchEncoder:
+class TorchEncoder(_ModelEncoder):
     """sentence-transformers on the CPU; token embeddings pooled like :class:`OnnxEncoder`."""
 
     def __init__(self, model_dir: Path, *, model_id: str, dim: int, pooling: str = "mean", normalize: bool = True,
@@ -244,14 +251,6 @@ class TorchEncoder:
         self._normalize = normalize
         self._prefix = query_prefix
         self._batch = batch_size
-
-    @property
-    def model_id(self) -> str:
-        return self._model_id
-
-    @property
-    def dim(self) -> int:
-        return self._dim
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         items = [self._prefix + t for t in _check_texts(texts)]

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,39 +114,25 @@ def _plan_text(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@click.command()
-@click.argument("session")
-@click.argument("name")
-@daemon_options
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def enable(session: str, name: str, config: Path | None, host: str | None, port: int | None, uds: Path | None,
-           as_json: bool) -> None:
-    """Activate a capability in a session by name; prints the plan.
+def _plan_command(name: str, summary: str, call: Callable[[CapdClient, str, str], dict[str, Any]]) -> click.Command:
+    """``capd enable`` / ``capd disable``: one session change through the daemon, printing the plan."""
 
-    Example: capd enable my-agent postgres
-    """
-    with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
-        plan = client.enable(session, name)
-    if as_json:
-        emit_json(plan)
-    else:
-        click.echo(_plan_text(plan))
+    @click.command(name, help=f"{summary}; prints the plan.\n\nExample: capd {name} my-agent postgres")
+    @click.argument("session")
+    @click.argument("name")
+    @daemon_options
+    @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+    def command(session: str, name: str, config: Path | None, host: str | None, port: int | None,
+                uds: Path | None, as_json: bool) -> None:
+        with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
+            plan = call(client, session, name)
+        if as_json:
+            emit_json(plan)
+        else:
+            click.echo(_plan_text(plan))
+
+    return command
 
 
-@click.command()
-@click.argument("session")
-@click.argument("name")
-@daemon_options
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def disable(session: str, name: str, config: Path | None, host: str | None, port: int | None, uds: Path | None,
-            as_json: bool) -> None:
-    """Deactivate a capability in a session; prints the plan.
-
-    Example: capd disable my-agent postgres
-    """
-    with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
-        plan = client.disable(session, name)
-    if as_json:
-        emit_json(plan)
-    else:
-        click.echo(_plan_text(plan))
+enable = _plan_command("enable", "Activate a capability in a session by name", CapdClient.enable)
+disable = _plan_command("disable", "Deactivate a capability in a session", CapdClient.disable)
