@@ -33,6 +33,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     left.plot(sizes, [1.3 * r["one_client"]["encode"]["p50_ms"] for r in rows], color="grey", lw=0.8, ls="-.",
               label="target: 1.3x bare encode")
     left.set_xscale("log")
+    left.set_xticks(sizes, [f"{s:,}" for s in sizes])
     left.set_xlabel("capabilities in the tap")
     left.set_ylabel("ms, one client")
     left.set_ylim(bottom=0)
@@ -41,12 +42,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     left.grid(alpha=0.3)
 
     clients = [int(c) for c in rows[0]["throughput"]]
-    for size, row in zip(sizes, rows, strict=True):
-        left_rate = [row["throughput"][str(c)]["requests_per_s"] for c in clients]
-        right.plot(clients, left_rate, "o-", label=f"{size:,} capabilities")
-    one = rows[0]["throughput"][str(clients[0])]["requests_per_s"]
-    right.plot(clients, [one * min(c, 4) for c in clients], color="grey", lw=0.8, ls="-.",
-               label="target at 32: 4x one client")
+    for number, (size, row) in enumerate(zip(sizes, rows, strict=True)):
+        colour = f"C{number}"
+        right.plot(clients, [row["throughput"][str(c)]["requests_per_s"] for c in clients], "o-", color=colour,
+                   label=f"{size:,} capabilities")
+        if "encoder_rates" in row:
+            right.axhline(row["encoder_rates"]["batch32_per_s"], color=colour, lw=0.8, ls=":")
+        right.plot([clients[-1]], [4 * row["throughput"][str(clients[0])]["requests_per_s"]], "x", color=colour,
+                   markersize=9)
+    right.plot([], [], "x", color="grey", label=f"target at {clients[-1]}: 4x one client")
+    right.plot([], [], ":", color="grey", label="bare encoder, batches of 32, in process")
     right.set_xscale("log", base=2)
     right.set_xticks(clients, [str(c) for c in clients])
     right.set_xlabel("concurrent clients")
@@ -56,8 +61,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     right.legend(fontsize=8)
     right.grid(alpha=0.3)
 
-    fig.suptitle(f"capd daemon, {result['machine']}, load {result['load_before'][0]} at start "
-                 f"`{result['command']}`", fontsize=9)
+    fig.suptitle(f"capd daemon on {result['machine']} (load average {result['load_before'][0]} at start): "
+                 f"{result['command']}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
