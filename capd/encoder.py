@@ -97,7 +97,22 @@ def pool(hidden: npt.NDArray[Any], mask: npt.NDArray[Any], pooling: str) -> Vect
     return np.asarray(summed / np.maximum(weights.sum(axis=1), 1e-9), dtype=np.float32)
 
 
-class HashEncoder:
+class _ModelEncoder:
+    """What every encoder here shares: identity and dimension, set by their constructors."""
+
+    _model_id: str
+    _dim: int
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+
+class HashEncoder(_ModelEncoder):
     """Deterministic lexical fake: signed feature hashing of lowercase words and char trigrams."""
 
     _WORD = re.compile(r"\w+")
@@ -107,14 +122,6 @@ class HashEncoder:
         self._normalize = normalize
         recipe = json.dumps({"recipe": HASH_RECIPE, "dim": dim, "normalize": normalize})
         self._model_id = f"hash-{dim}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-
-    @property
-    def model_id(self) -> str:
-        return self._model_id
-
-    @property
-    def dim(self) -> int:
-        return self._dim
 
     def _vector(self, text: str) -> Vectors:
         vector = np.zeros(self._dim, dtype=np.float32)
@@ -135,21 +142,6 @@ class HashEncoder:
             return np.zeros((0, self._dim), dtype=np.float32)
         matrix = np.stack([self._vector(t) for t in items])
         return l2_normalize(matrix) if self._normalize else matrix
-
-
-class _ModelEncoder:
-    """What the real backends share: identity and dimension, set by their constructors."""
-
-    _model_id: str
-    _dim: int
-
-    @property
-    def model_id(self) -> str:
-        return self._model_id
-
-    @property
-    def dim(self) -> int:
-        return self._dim
 
 
 class OnnxEncoder(_ModelEncoder):
