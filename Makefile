@@ -9,7 +9,7 @@ STAMP := $(VENV)/.capd-installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup serve test lint bench reliability clean
+.PHONY: setup serve test lint bench quality reliability clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks.run
+
+# Routing quality per eval set (held-out headline, tuned-on rows labelled): benchmarks/results/quality.md.
+quality: setup
+	$(BIN)/python -m benchmarks.quality.run
 
 # The reliability suite at full size (load >= 60 s, faults, fuzz, security); a bounded
 # subset of it already runs inside `make test`.

@@ -337,6 +337,57 @@ def scoring_paths(sizes: tuple[int, ...] = (1_000, 2_000, 4_000, 10_000, 100_000
         index_module.SMALL_ROWS = saved
 
 
+def crossover(encoder: Encoder, sizes: tuple[int, ...] = (600, 1_000, 1_400, 1_800, 2_200, 3_000, 10_000),
+              rounds: int = 3) -> dict[str, Any]:
+    """``SMALL_ROWS``: both single-query paths on real MiniLM vectors of the daemon benchmark's taps
+    (:mod:`benchmarks.gen_tap`), p50 (best of ``rounds`` blocks of 100 messages) in ms. Needs the
+    10,000-capability vector cache that ``benchmarks.bench_daemon`` builds; skipped without it."""
+    from benchmarks import gen_tap
+    from benchmarks.bench_daemon import CACHE
+    from capd.text import clean_message
+
+    data_dir = CACHE / f"data-10000-v{gen_tap.VERSION}"
+    if not (data_dir / "primed.json").is_file():
+        return {"skipped": f"no {data_dir}; run benchmarks.bench_daemon first"}
+    names, texts, counts = [], [], []
+    for name, product, facet in gen_tap.pairs()[:max(sizes)]:
+        triggers = gen_tap.triggers_for(name, product, facet)
+        names.append(name)
+        texts += triggers
+        counts.append(len(triggers))
+    with VectorCache.open(data_dir) as cache:
+        vectors, _, _ = CachedEmbedder(encoder, cache).embed(texts)
+    starts = np.cumsum([0, *counts[:-1]])
+    queries = encoder.embed([clean_message(m, 0)[0] for m in gen_tap.messages(100 * rounds, tap_size=max(sizes))])
+    saved, out = index_module.SMALL_ROWS, {}
+    try:
+        for size in sizes:
+            index = TriggerIndex(vectors.shape[1])
+            for i in range(size):
+                block = slice(starts[i], starts[i] + counts[i])
+                index.set_capability(names[i], "f", texts[block], vectors[block])
+            best: dict[str, float] = {}
+            for label, rows in (("every_capability", 10**9), ("nearest_first", 0)):
+                index_module.SMALL_ROWS = rows
+                best[label] = min(statistics.median(_times(index, queries[r * 100:(r + 1) * 100]))
+                                  for r in range(rounds))
+            out[str(index.trigger_count)] = {k: round(v, 3) for k, v in best.items()}
+    finally:
+        index_module.SMALL_ROWS = saved
+    return out
+
+
+def _times(index: TriggerIndex, queries: np.ndarray) -> list[float]:
+    for query in queries[:10]:
+        index.top_capabilities(query, 3, 7)
+    times = []
+    for query in queries:
+        began = time.perf_counter()
+        index.top_capabilities(query, 3, 7)
+        times.append((time.perf_counter() - began) * 1000)
+    return times
+
+
 def _cone_share(triggers: np.ndarray, owners: np.ndarray, queries: np.ndarray, n: int, k: int = 3) -> float:
     """Share of capabilities a centroid/radius bound could NOT exclude from the exact top n."""
     caps = int(owners.max()) + 1
@@ -459,8 +510,10 @@ def write_index_choice(encoder: Encoder, settings: Settings, path: Path) -> dict
         busy_search, busy_paths = nearest_trigger_search(), scoring_paths()
     cone = cone_bound(encoder, settings)
     update = update_cost()
+    cross = crossover(encoder)
     result = {"load_average": load, "nearest_trigger_search_ms": {"quiet": search, "busy": busy_search},
-              "top_capabilities_ms": {"quiet": paths, "busy": busy_paths}, "cone_bound": cone, "update_ms": update}
+              "top_capabilities_ms": {"quiet": paths, "busy": busy_paths}, "cone_bound": cone, "update_ms": update,
+              "crossover_ms": cross}
     lines = [
         "# How capd.index scores: the measurements",
         "",
@@ -487,6 +540,15 @@ def write_index_choice(encoder: Encoder, settings: Settings, path: Path) -> dict
         "Busy:",
         "",
         *_path_table(busy_paths),
+        "",
+        "## Where one query's two paths cross (`SMALL_ROWS`): real MiniLM vectors of the benchmark taps",
+        "",
+        "`top_capabilities(query, k=3, n=7)` p50 in ms (best of 3 blocks of 100 messages), every capability "
+        "scored on one thread vs the owners of the nearest triggers (`faiss.knn`, one thread):",
+        "",
+        *(["| triggers | every capability | nearest first |", "|---|---|---|",
+           *[f"| {int(t):,} | {r['every_capability']} | {r['nearest_first']} |" for t, r in cross.items()]]
+          if "skipped" not in cross else [f"Skipped: {cross['skipped']}."]),
         "",
         "## Does a per-capability cone bound (centroid + angular radius) prune?",
         "",

@@ -1,4 +1,5 @@
-"""Run every ``benchmarks/bench_*.py`` module's ``main()`` in turn (``make bench``).
+"""Run every ``benchmarks/bench_*.py`` module's ``main()`` in turn, then the routing-quality
+report ``benchmarks.quality.run`` (``make bench``).
 
 Each benchmark runs in a fresh interpreter, so that one cannot warm caches, load modules or
 leave threads behind for the next. Results land in ``benchmarks/results/``. A failing
@@ -16,8 +17,8 @@ from pathlib import Path
 def main() -> int:
     here = Path(__file__).resolve().parent
     failed = []
-    for path in sorted(here.glob("bench_*.py")):
-        name = f"benchmarks.{path.stem}"
+    names = [f"benchmarks.{path.stem}" for path in sorted(here.glob("bench_*.py"))] + ["benchmarks.quality.run"]
+    for name in names:
         print(f"== {name}", flush=True)
         started = time.perf_counter()
         code = subprocess.call([sys.executable, "-c", f"import {name} as bench; bench.main()"], cwd=here.parent)

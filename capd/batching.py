@@ -149,6 +149,12 @@ class MicroBatcher:
             self._execute(batch)
 
     def _execute(self, batch: list[_Request]) -> None:
+        # A caller that gave up (an ``aembed`` whose task was cancelled cancels its future) is
+        # skipped; the others' futures are marked running, so they can no longer be cancelled and
+        # setting their results below cannot fail and stop the worker.
+        batch = [request for request in batch if request.future.set_running_or_notify_cancel()]
+        if not batch:
+            return
         texts = [t for request in batch for t in request.texts]
         try:
             vectors = self.encoder.embed(texts)
@@ -164,3 +170,11 @@ class MicroBatcher:
         for request in batch:
             request.future.set_result(vectors[offset:offset + len(request.texts)])
             offset += len(request.texts)
+
+
+async def aembed(encoder: Encoder, texts: Sequence[str]) -> Vectors:
+    """Embed from an event loop without blocking it: a :class:`MicroBatcher` hands back a future;
+    any other encoder runs in a worker thread."""
+    if isinstance(encoder, MicroBatcher):
+        return await encoder.aembed(texts)
+    return await asyncio.to_thread(encoder.embed, texts)

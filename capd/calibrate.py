@@ -14,6 +14,7 @@ for); capability files are never touched.
 from __future__ import annotations
 
 import hashlib
+import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +22,33 @@ from typing import Any
 
 import numpy as np
 
+from capd import fused
+from capd.errors import TapFileError
 from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
 from capd.fixtures import Fixture
 from capd.router import Router
 
-THRESHOLDS = np.round(np.arange(0.0, 1.0001, 0.01), 2)
-MARGINS = np.round(np.arange(0.0, 0.3001, 0.005), 3)
-TOP_KS = (1, 2, 3, 4, 5)
 HELD_OUT_SHARE = 0.3
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The gate values swept for one rule (each rule has its own scale)."""
+
+    thresholds: np.ndarray
+    margins: np.ndarray
+    top_ks: tuple[int, ...]
+
+
+COSINE_GRID = Grid(np.round(np.arange(0.0, 1.0001, 0.01), 2), np.round(np.arange(0.0, 0.3001, 0.005), 3),
+                   (1, 2, 3, 4, 5))
+# fused: threshold on level = K - mu_in (about -0.6..0.4 in practice), margin on a log-odds gap
+FUSED_GRID = Grid(np.round(np.arange(-0.6, 0.4001, 0.01), 2), np.round(np.arange(0.0, 6.0001, 0.05), 2),
+                  (fused.TOP_K,))
+
+
+def grid_for(rule: str) -> Grid:
+    return FUSED_GRID if rule == "fused" else COSINE_GRID
 
 
 def split(fixtures: Sequence[Fixture]) -> tuple[np.ndarray, np.ndarray]:
@@ -52,15 +72,14 @@ class Point:
                 "fired_right": self.fired_right, "fired_wrong": self.fired_wrong, "null_fpr": self.null_fpr}
 
 
-def sweep(table: ScoreTable, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sweep(table: ScoreTable, grid: Grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """fired_right, fired_wrong, null_fpr for every (threshold, margin): arrays [T, M]."""
-    winner, top1, top2 = table.top2()
+    winner, top1, gap = table.gate_inputs()
     correct = table.expected[np.arange(len(winner)), winner]
     positive = table.positive
     p, n = max(int(positive.sum()), 1), int((~positive).sum())
-    gap = top1 - top2
-    above = (top1[:, None] >= THRESHOLDS[None, :]) & table.routable[:, None]  # [rows, T]
-    wide = gap[:, None] >= MARGINS[None, :]  # [rows, M]
+    above = (top1[:, None] >= grid.thresholds[None, :]) & table.routable[:, None]  # [rows, T]
+    wide = gap[:, None] >= grid.margins[None, :]  # [rows, M]
     fired = above[:, :, None] & wide[:, None, :]  # [rows, T, M]
     right = np.tensordot((positive & correct).astype(np.float32), fired, axes=1) / p
     wrong = np.tensordot((positive & ~correct).astype(np.float32), fired, axes=1) / p
@@ -68,20 +87,21 @@ def sweep(table: ScoreTable, top_k: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return right, wrong, null
 
 
-def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: float) -> tuple[Point | None,
-                                                                                             list[Point]]:
+def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: float,
+               grid: Grid = COSINE_GRID) -> tuple[Point | None, list[Point]]:
     """The recommended point and the operating curve (best point per threshold) over all top_k."""
     best: Point | None = None
     curve: dict[float, Point] = {}
     for top_k, table in tables.items():
-        right, wrong, null = sweep(table, top_k)
+        right, wrong, null = sweep(table, grid)
         ok = (null <= max_null_fpr + 1e-9) & (wrong <= max_wrong + 1e-9)
         score = np.where(ok, right, -1.0)
-        for t_index, threshold in enumerate(THRESHOLDS):
+        for t_index, threshold in enumerate(grid.thresholds):
             m_index = int(np.argmax(score[t_index]))
             if score[t_index, m_index] < 0:
                 continue
-            point = Point(top_k, float(threshold), float(MARGINS[m_index]), round(float(right[t_index, m_index]), 4),
+            point = Point(top_k, float(threshold), float(grid.margins[m_index]),
+                          round(float(right[t_index, m_index]), 4),
                           round(float(wrong[t_index, m_index]), 4), round(float(null[t_index, m_index]), 4))
             current = curve.get(point.threshold)
             if current is None or point.fired_right > current.fired_right:
@@ -96,9 +116,10 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
               max_wrong: float = 0.03) -> dict[str, Any]:
     fit_rows, held_rows = split(fixtures)
     vectors = embed_fixtures(router, fixtures)
-    full = {k: score_table(router, fixtures, top_k=k, vectors=vectors) for k in TOP_KS}
+    grid = grid_for(router.rule)
+    full = {k: score_table(router, fixtures, top_k=k, vectors=vectors) for k in grid.top_ks}
     fit = {k: t.subset(fit_rows) for k, t in full.items()}
-    point, curve = best_point(fit, max_null_fpr, max_wrong)
+    point, curve = best_point(fit, max_null_fpr, max_wrong, grid)
     report: dict[str, Any] = {
         "rule": router.rule,
         "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
@@ -114,19 +135,34 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
     return report
 
 
-def write_gates(tap: Path, point: dict[str, Any], model: str) -> Path:
-    """Store gates in ``<tap>/capd.toml``; only capd's own file is written."""
+def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd") -> Path:
+    """Store gates for ``rule`` in ``<tap>/capd.toml``, keeping the other rule's gates.
+
+    Only capd's own file is written. Gates recorded for another model are dropped (each
+    model has its own scale); a ``capd.toml`` that does not parse is left alone (error).
+    """
     path = tap / "capd.toml"
-    body = (
-        "# Written by `capd calibrate --write`. Gates for this tap's capabilities;\n"
-        "# CAPD_THRESHOLD / CAPD_MARGIN / CAPD_TOP_K and flags still override them.\n"
-        f'model = "{model}"\n\n'
-        "[gates]\n"
-        f"threshold = {point['threshold']}\n"
-        f"margin = {point['margin']}\n"
-        f"top_k = {point['top_k']}\n"
-    )
+    existing: dict[str, Any] = {}
+    if path.exists():
+        try:
+            existing = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise TapFileError(path, f"cannot update it ({exc}); fix or remove it, then calibrate again") from None
+    cosine = {k: v for k, v in dict(existing.get("gates") or {}).items() if k != "fused"}
+    fused_gates = dict((existing.get("gates") or {}).get("fused") or {})
+    if existing.get("model") not in (None, model):
+        cosine, fused_gates = {}, {}
+    if rule == "fused":
+        fused_gates = {"threshold": point["threshold"], "margin": point["margin"]}
+    else:
+        cosine = {"threshold": point["threshold"], "margin": point["margin"], "top_k": point["top_k"]}
+    lines = ["# Written by `capd calibrate --write`. Gates for this tap's capabilities: [gates] for the",
+             "# anchor and capd rules, [gates.fused] for the fused rule. CAPD_THRESHOLD / CAPD_MARGIN /",
+             "# CAPD_TOP_K and flags still override them.", f'model = "{model}"', ""]
+    for header, values in (("[gates]", cosine), ("[gates.fused]", fused_gates)):
+        if values:
+            lines += [header, *(f"{k} = {v}" for k, v in values.items()), ""]
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(body, encoding="utf-8")
+    tmp.write_text("\n".join(lines), encoding="utf-8")
     tmp.replace(path)
     return path

@@ -26,41 +26,66 @@ from capd.text import clean_message
 
 @dataclass(frozen=True)
 class ScoreTable:
-    """Scores of every fixture message against every capability, for one rule and top_k."""
+    """Scores of every fixture message against every capability, for one rule and top_k.
+
+    ``scores`` rank the capabilities. For the anchor and capd rules the gates read the same
+    scores (threshold on top1, margin on top1 − top2); for ``fused`` they read ``levels``
+    (threshold on the winner's level) and the fused scores' gap.
+    """
 
     fixtures: tuple[Fixture, ...]
     names: tuple[str, ...]
     scores: np.ndarray  # [rows, capabilities]
     routable: np.ndarray  # bool [rows]: passed the short-input gate
     expected: np.ndarray  # bool [rows, capabilities]
+    levels: np.ndarray | None = None  # [rows, capabilities]: what the threshold reads, when not ``scores``
 
     @property
     def positive(self) -> np.ndarray:
         return np.asarray(self.expected.any(axis=1))
 
-    def top2(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(winner index, top1 score, top2 score) per row; top2 = 0 with one capability."""
+    def gate_inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(winner index, what the threshold reads, what the margin reads) per row.
+
+        Without ``levels``: top1 and top1 − top2 (top2 = 0 with one capability). With them:
+        the winner's level and the gap between the two best scores (inf with one capability).
+        """
         n = self.scores.shape[1]
         winner = self.scores.argmax(axis=1)
-        top1 = self.scores[np.arange(len(winner)), winner]
+        rows = np.arange(len(winner))
+        top1 = self.scores[rows, winner]
         if n < 2:
-            return winner, top1, np.zeros_like(top1)
-        part = np.partition(self.scores, n - 2, axis=1)
-        return winner, top1, part[:, n - 2]
+            top2 = np.zeros_like(top1) if self.levels is None else np.full_like(top1, -np.inf)
+        else:
+            top2 = np.partition(self.scores, n - 2, axis=1)[:, n - 2]
+        level = top1 if self.levels is None else self.levels[rows, winner]
+        return winner, level, top1 - top2
 
     def subset(self, rows: np.ndarray) -> ScoreTable:
         return ScoreTable(tuple(self.fixtures[i] for i in rows), self.names, self.scores[rows], self.routable[rows],
-                          self.expected[rows])
+                          self.expected[rows], None if self.levels is None else self.levels[rows])
+
+
+def _texts(router: Router, fixtures: Sequence[Fixture]) -> list[str]:
+    return [clean_message(f.message, router.min_chars)[0] for f in fixtures]
 
 
 def embed_fixtures(router: Router, fixtures: Sequence[Fixture]) -> np.ndarray:
     """The vectors of the cleaned fixture messages (embedded once, then scored any number of ways)."""
-    return router.encoder.embed([clean_message(f.message, router.min_chars)[0] for f in fixtures])
+    return router.encoder.embed(_texts(router, fixtures))
 
 
 def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None = None,
                 vectors: np.ndarray | None = None) -> ScoreTable:
-    names = router.index.names
+    """Every fixture scored by the router's rule (``top_k`` applies to the cosine rules only)."""
+    if vectors is None:
+        vectors = embed_fixtures(router, fixtures)
+    levels = None
+    if router.rule == "fused":
+        names, fused_scores = router.fused_scores(vectors, _texts(router, fixtures))
+        scores, levels = fused_scores.fused, fused_scores.level
+    else:
+        names, scores = router.index.named_scores(vectors, top_k or router.top_k)
     position = {n: i for i, n in enumerate(names)}
     routable = np.zeros(len(fixtures), dtype=bool)
     expected = np.zeros((len(fixtures), len(names)), dtype=bool)
@@ -69,10 +94,7 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
         for name in fixture.expect:
             if name in position:
                 expected[row, position[name]] = True
-    if vectors is None:
-        vectors = embed_fixtures(router, fixtures)
-    scores = router.index.capability_scores(vectors, top_k or router.top_k)
-    return ScoreTable(tuple(fixtures), names, np.asarray(scores, dtype=np.float32), routable, expected)
+    return ScoreTable(tuple(fixtures), names, np.asarray(scores, dtype=np.float32), routable, expected, levels)
 
 
 def gate_arrays(router: Router, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -94,10 +116,9 @@ class Outcome:
 
 
 def apply_gates(table: ScoreTable, threshold: np.ndarray | float, margin: np.ndarray | float) -> Outcome:
-    winner, top1, top2 = table.top2()
+    winner, top1, gap = table.gate_inputs()
     thr = threshold[winner] if isinstance(threshold, np.ndarray) else threshold
     mar = margin[winner] if isinstance(margin, np.ndarray) else margin
-    gap = top1 - top2
     fired = table.routable & (top1 >= thr) & (gap >= mar)
     correct = table.expected[np.arange(len(winner)), winner]
     return Outcome(winner, fired, correct, top1, gap)

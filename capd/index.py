@@ -29,6 +29,14 @@ Scoring (measurements in ``benchmarks/results/index_choice.md``):
   nearest triggers, and only capabilities owning one are scored, exactly; L grows until
   the n-th best exact score is above the L-th cosine, which proves that no other
   capability can enter the top n (each of its cosines, hence its mean, is lower).
+  The cut-over is where the two meet for one query (k = 3, n = 7) on real MiniLM vectors of
+  the benchmark taps (:mod:`benchmarks.gen_tap`, ~9 triggers per capability), p50 in ms on
+  this 2-core machine, two runs at load 2-4 (``benchmarks.bench_engine.crossover``):
+  5,405 triggers 0.83 vs 1.25 (every capability vs nearest first); 8,951: 1.26-1.41 vs
+  1.46-1.77; 12,606: 1.80-2.04 vs 1.93-2.19; 14,423: 2.27-2.42 vs 2.41-2.49; 16,202:
+  2.74-2.92 vs 2.54-2.96; 18,015: 2.73-2.85 vs 2.62-2.76; 27,025: 4.56 vs 4.27; 90,063:
+  13.7 vs 9.6. Hence ``SMALL_ROWS`` = 16,384 (it was 8,192, which sent the 1,000-capability
+  tap down the slower path).
 - No FAISS index object is kept: ``IndexIDMap2`` rewrites itself on every removal, while
   one numpy matrix with per-capability blocks gives O(changed) updates and lock-free
   consistent snapshots.
@@ -57,7 +65,7 @@ from capd.vectorcache import CachedEmbedder, Progress
 
 Ints = npt.NDArray[np.int64]
 
-SMALL_ROWS = 8192  # up to here one query scores every capability; above, the nearest triggers first (measured)
+SMALL_ROWS = 16_384  # up to here one query scores every capability; above, the nearest triggers first (measured)
 COMPACT_MIN_DEAD = 4096
 CHUNK_ELEMENTS = 1 << 22  # queries x rows per block in capability_scores (16 MiB of float32)
 
@@ -438,3 +446,21 @@ class TriggerIndex:
         sims = _dot(snap.matrix[block.start:block.start + block.count], _queries(query, self.dim)[0])
         order = np.argsort(-sims, kind="stable")[:k]
         return [(block.texts[i], float(sims[i])) for i in order.tolist()]
+
+    def examples(self) -> tuple[tuple[str, ...], Vectors, Ints]:
+        """From one snapshot: the names, every live trigger vector, and each vector's position in names."""
+        snap = self._snap
+        return snap.names, snap.matrix[snap.live_rows], snap.row_capability
+
+    def named_scores(self, queries: npt.ArrayLike, k: int) -> tuple[tuple[str, ...], npt.NDArray[np.float32]]:
+        """:meth:`capability_scores` with the names its columns follow, read from one snapshot."""
+        if k < 1:
+            raise ValueError("k must be at least 1")
+        snap = self._snap
+        q = _queries(queries, self.dim)
+        if len(q) == 1 and snap.blocks:  # one query: one thread, as in top_capabilities
+            bounds, lengths, segment_of = snap.segments
+            sims = _dot(snap.rows, q[0])[None, :]
+            return snap.names, np.asarray(segment_topk_mean(sims, bounds, lengths, k)[:, segment_of],
+                                          dtype=np.float32)
+        return snap.names, snap.all_scores(q, k)

@@ -61,6 +61,7 @@ HASH_MODEL = "hash"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VERIFIED_FILE = "verified-weights.json"
 DEFAULT_GATES: Mapping[str, float] = {"threshold": 0.45, "margin": 0.08, "top_k": 3}
+DEFAULT_FUSED_GATES: Mapping[str, float] = {"threshold": 0.0, "margin": 0.0}  # the fused rule's scale
 DEFAULT_NEAR_DUPLICATE = 0.90
 
 
@@ -85,10 +86,18 @@ class ModelManifest:
     near_duplicate: float = DEFAULT_NEAR_DUPLICATE
     description: str = ""
     path: Path | None = None  # the manifest file, when there is one
+    fused_threshold: float = DEFAULT_FUSED_GATES["threshold"]
+    fused_margin: float = DEFAULT_FUSED_GATES["margin"]
 
     @property
     def gates(self) -> dict[str, float]:
         return {"threshold": self.threshold, "margin": self.margin, "top_k": self.top_k}
+
+    def gates_for(self, rule: str) -> dict[str, float]:
+        """``[gates]`` for the anchor and capd rules, ``[gates.fused]`` for the fused rule."""
+        if rule == "fused":
+            return {"threshold": self.fused_threshold, "margin": self.fused_margin, "top_k": 3}
+        return self.gates
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -102,7 +111,7 @@ class ModelManifest:
             "query_prefix": self.query_prefix,
             "max_seq_length": self.max_seq_length,
             "backend": self.backend,
-            "gates": self.gates,
+            "gates": {**self.gates, "fused": {"threshold": self.fused_threshold, "margin": self.fused_margin}},
             "manifest": str(self.path) if self.path else None,
         }
 
@@ -212,6 +221,8 @@ def load_manifest(path: Path) -> ModelManifest:
         threshold=float(r.get("gates.threshold", (int, float), DEFAULT_GATES["threshold"])),
         margin=float(r.get("gates.margin", (int, float), DEFAULT_GATES["margin"])),
         top_k=top_k,
+        fused_threshold=float(r.get("gates.fused.threshold", (int, float), DEFAULT_FUSED_GATES["threshold"])),
+        fused_margin=float(r.get("gates.fused.margin", (int, float), DEFAULT_FUSED_GATES["margin"])),
         near_duplicate=float(r.get("lint.near_duplicate", (int, float), DEFAULT_NEAR_DUPLICATE)),
         description=r.get("description", str, ""),
         path=path,
@@ -285,6 +296,8 @@ def infer_manifest(directory: Path, manifests: Mapping[str, ModelManifest] | Non
         name=directory.name, source_kind="path", source=str(directory), sha256=None, dim=dim, pooling=pooling,
         normalize=normalize, max_seq_length=int(st_config.get("max_seq_length", 256)), backend="onnx",
         threshold=gates["threshold"], margin=gates["margin"], top_k=int(gates["top_k"]),
+        fused_threshold=base.fused_threshold if base else DEFAULT_FUSED_GATES["threshold"],
+        fused_margin=base.fused_margin if base else DEFAULT_FUSED_GATES["margin"],
         description=f"local directory {directory} (gates: defaults; run `capd calibrate`)",
     )
 

@@ -1,6 +1,6 @@
 """Routing decisions: score a message against every capability, then gate.
 
-Two rules, selectable by name (``Settings.rule`` / ``--rule``):
+Three rules, selectable by name (``Settings.rule`` / ``--rule``):
 
 ``anchor``
     Octomind's rule, reproduced exactly so capd can always be compared with it:
@@ -9,15 +9,24 @@ Two rules, selectable by name (``Settings.rule`` / ``--rule``):
     ``top1 >= threshold`` and ``top1 - top2 >= margin`` (top2 = 0 with one candidate).
 ``capd``
     Every capability is scored; when the winner is already active nothing changes
-    (``already_active``); otherwise the same gates decide.
+    (``already_active``); otherwise the same gates decide. Learned corrections
+    (:mod:`capd.learned`) count as extra triggers.
+``fused``
+    :mod:`capd.fused`: ranks on a light head + soft nearest examples + BM25 over the
+    triggers, description, name and learned corrections; ``score`` is the winner's
+    mean-top-3 cosine minus its capabilities' in-class similarity (``level``), ``margin``
+    the log-odds gap to the runner-up. Sessions behave as with ``capd``.
 
 Gates (threshold, margin, top_k) come from the model manifest, are overridden per tap by
 ``<tap>/capd.toml`` (written by ``capd calibrate``; the gates of the winner's tap apply),
 and are overridden by settings (``--threshold`` / ``CAPD_THRESHOLD`` …) above both.
+``anchor`` and ``capd`` share one cosine scale and one set of gates (``[gates]``);
+``fused`` has its own (``[gates.fused]``), and always uses k = 3.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,7 +36,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from capd.catalog import Catalog
+from capd import fused
+from capd.catalog import Capability, Catalog
 from capd.encoder import Encoder
 from capd.index import TriggerIndex
 from capd.text import clean_message
@@ -35,7 +45,7 @@ from capd.text import clean_message
 log = logging.getLogger(__name__)
 
 DecisionKind = Literal["activate", "abstain", "already_active", "skipped"]
-RULE_NAMES = ("capd", "anchor")
+RULE_NAMES = ("capd", "anchor", "fused")
 DISCOVER_LIMIT = 5
 
 
@@ -61,10 +71,12 @@ class GateBook:
 
 
 def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str, float | int | None],
-                   model: str | None = None) -> GateBook:
+                   model: str | None = None, rule: str = "capd") -> GateBook:
     """Manifest < tap ``capd.toml`` < settings overrides (``threshold``, ``margin``, ``top_k``).
 
-    A tap's gates calibrated for another model are ignored (each model has its own cosine scale).
+    ``model_gates`` are the manifest's gates for ``rule``; a tap contributes its gates for
+    that rule. A tap's gates calibrated for another model are ignored (each model has its
+    own cosine scale).
     """
     given = {k: v for k, v in overrides.items() if v is not None}
     configs = {t: c for t, c in catalog.tap_configs.items() if model is None or c.model in (None, model)}
@@ -80,12 +92,14 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
 
     # One top_k for the whole catalog (scores must be comparable across taps): settings, else the
     # first tap (in precedence order) whose capd.toml sets it, else the manifest.
-    tap_top_k = next((int(c.gates["top_k"]) for t in catalog.taps if (c := configs.get(t))
-                      and "top_k" in c.gates), None)
+    tap_top_k = next((int(c.gates_for(rule)["top_k"]) for t in catalog.taps if (c := configs.get(t))
+                      and "top_k" in c.gates_for(rule)), None)
     if tap_top_k is not None and "top_k" not in given:
         given["top_k"] = tap_top_k
+    if rule == "fused":
+        given["top_k"] = fused.TOP_K
     default = apply(model_gates, given)
-    by_tap = {tap: apply(apply(model_gates, config.gates), given) for tap, config in configs.items()}
+    by_tap = {tap: apply(apply(model_gates, config.gates_for(rule)), given) for tap, config in configs.items()}
     return GateBook(default=default, by_tap=MappingProxyType(by_tap))
 
 
@@ -124,19 +138,56 @@ def gate(ranked: Sequence[tuple[str, float]], gates: Gates) -> tuple[bool, float
     return True, margin, f"{name} {top1:.2f} clears threshold {gates.threshold:.2f} and margin {gates.margin:.2f}"
 
 
+def example_texts(capability: Capability, rule: str, learned: Sequence[str] = ()) -> tuple[str, ...]:
+    """What a capability is routed on under ``rule``: its triggers, and (not for ``anchor``)
+    learned corrections; ``fused`` adds its description and its name. No triggers: nothing
+    (a capability without triggers is never auto-routed)."""
+    if not capability.triggers:
+        return ()
+    texts = list(capability.triggers)
+    if rule == "fused":
+        description = capability.description or (capability.provider.description if capability.provider else None)
+        texts += [description or "", capability.name.replace("-", " ").replace("_", " ")]
+    if rule != "anchor":
+        texts += learned
+    return tuple(dict.fromkeys(t.strip() for t in texts if t.strip()))
+
+
+def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[str]] | None = None) -> Catalog:
+    """The catalog the index is built from: each capability's triggers replaced by its examples."""
+    capabilities: dict[str, Capability] = {}
+    for capability in catalog:
+        texts = example_texts(capability, rule, (learned or {}).get(capability.name, ()))
+        if texts == capability.triggers:
+            capabilities[capability.name] = capability
+            continue
+        digest = hashlib.sha256(capability.fingerprint.encode())
+        for text in texts:
+            digest.update(b"\0" + text.encode())
+        capabilities[capability.name] = replace(capability, triggers=texts, fingerprint=digest.hexdigest())
+    return replace(catalog, capabilities=MappingProxyType(capabilities))
+
+
 class Router:
-    """Turns a message into a :class:`Decision` for one catalog snapshot."""
+    """Turns a message into a :class:`Decision` for one catalog snapshot.
+
+    ``index`` holds the rule's examples (:func:`example_catalog`); ``head`` is required
+    for the ``fused`` rule and built from that index (:meth:`capd.service.Service.reload`).
+    """
 
     def __init__(self, encoder: Encoder, index: TriggerIndex, catalog: Catalog, gates: GateBook,
-                 rule: str = "capd", min_chars: int = 8) -> None:
+                 rule: str = "capd", min_chars: int = 8, head: fused.FusedHead | None = None) -> None:
         if rule not in RULE_NAMES:
             raise ValueError(f"unknown rule {rule!r}; choose one of {', '.join(RULE_NAMES)}")
+        if rule == "fused" and head is None:
+            raise ValueError("the fused rule needs a fused head")
         self.encoder = encoder
         self.index = index
         self.catalog = catalog
         self.gates = gates
         self.rule = rule
         self.min_chars = min_chars
+        self.head = head
 
     @property
     def top_k(self) -> int:
@@ -146,11 +197,33 @@ class Router:
         capability = self.catalog.get(name)
         return self.gates.for_tap(capability.tap if capability else None)
 
-    def rank(self, vector: np.ndarray, limit: int) -> list[tuple[str, float]]:
-        """The best ``limit`` capabilities for one query vector, exact, best first."""
+    def fused_scores(self, vectors: np.ndarray, texts: Sequence[str]) -> tuple[tuple[str, ...], fused.Scores]:
+        """The fused rule's scores for many messages; columns follow the returned names."""
+        assert self.head is not None
+        names, knn = self.index.named_scores(vectors, fused.TOP_K)
+        if names != self.head.names:  # the index moved on under a router about to be replaced
+            position = {n: i for i, n in enumerate(names)}
+            aligned = np.full((knn.shape[0], len(self.head.names)), -1.0, dtype=np.float32)
+            for column, name in enumerate(self.head.names):
+                if name in position:
+                    aligned[:, column] = knn[:, position[name]]
+            knn = aligned
+        vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
+        return self.head.names, self.head.score(knn, vectors, texts)
+
+    def rank(self, vector: np.ndarray, limit: int, text: str = "") -> list[tuple[str, float]]:
+        """The best ``limit`` capabilities for one query vector, best first (exact).
+
+        Scores are mean-of-top-k cosines, or for ``fused`` each capability's level, in the
+        fused ranking's order.
+        """
         limit = min(limit, self.index.capability_count)
         if limit <= 0:
             return []
+        if self.rule == "fused":
+            names, scores = self.fused_scores(vector[None, :], [text])
+            order = np.argsort(-scores.fused[0], kind="stable")[:limit]
+            return [(names[i], float(scores.level[0, i])) for i in order.tolist()]
         return self.index.top_capabilities(vector, self.top_k, limit)
 
     def route(self, message: str, active: Collection[str] = ()) -> Decision:
@@ -158,9 +231,12 @@ class Router:
         if not long_enough:
             return Decision("skipped", f"too short: fewer than {self.min_chars} characters after removing tags")
         vector = self.encoder.embed([text])[0]
-        return self.decide(vector, active)
+        return self.decide(vector, active, text)
 
-    def decide(self, vector: np.ndarray, active: Collection[str] = ()) -> Decision:
+    def decide(self, vector: np.ndarray, active: Collection[str] = (), text: str = "") -> Decision:
+        """The decision for one message's vector; ``text`` (the cleaned message) feeds ``fused``'s BM25."""
+        if self.rule == "fused":
+            return self._decide_fused(vector, set(active), text)
         active_set = set(active)
         extra = len(active_set) if self.rule == "anchor" else 0
         ranked = self.rank(vector, max(DISCOVER_LIMIT, 2) + extra)
@@ -180,22 +256,45 @@ class Router:
             return Decision("abstain", reason, name, score, margin, candidates)
         return Decision("activate", reason, name, score, margin, candidates)
 
+    def _decide_fused(self, vector: np.ndarray, active: set[str], text: str) -> Decision:
+        if self.index.capability_count == 0:
+            return Decision("abstain", "no capability to route to")
+        names, scores = self.fused_scores(vector[None, :], [text])
+        order = np.argsort(-scores.fused[0], kind="stable")[:DISCOVER_LIMIT]
+        candidates = tuple((names[i], float(scores.level[0, i])) for i in order.tolist())
+        name = names[int(scores.winner[0])]
+        level, gap = float(scores.winner_level[0]), float(scores.gap[0])
+        if name in active:
+            return Decision("already_active", f"{name} is already active", name, level, gap, candidates)
+        gates = self._gates_for(name)
+        if level < gates.threshold:
+            return Decision("abstain", f"{name} level {level:.2f} below threshold {gates.threshold:.2f}", name,
+                            level, gap, candidates)
+        if gap < gates.margin:
+            runner = candidates[1][0] if len(candidates) > 1 else "-"
+            return Decision("abstain", f"margin {gap:.2f} between {name} and {runner} below {gates.margin:.2f}",
+                            name, level, gap, candidates)
+        return Decision("activate", f"{name} level {level:.2f} clears threshold {gates.threshold:.2f} and margin "
+                        f"{gates.margin:.2f} (margin {gap:.2f})", name, level, gap, candidates)
+
     def discover(self, intent: str, limit: int = DISCOVER_LIMIT) -> list[tuple[str, float]]:
         """Top ``limit`` capabilities for an intent, no gates (tags stripped, no length gate)."""
         text, _ = clean_message(intent, 0)
         if not text:
             return []
-        return self.rank(self.encoder.embed([text])[0], limit)
+        return self.rank(self.encoder.embed([text])[0], limit, text)
 
     def explain(self, message: str, limit: int = DISCOVER_LIMIT) -> list[dict[str, Any]]:
-        """Per capability (best first): its score and the top-k triggers with their cosines."""
+        """Per capability (best first): its score and the top-k examples with their cosines."""
         text, _ = clean_message(message, 0)
         if not text:
             return []
         vector = self.encoder.embed([text])[0]
-        return [
-            {"name": name, "score": round(score, 4),
-             "triggers": [{"text": t, "cosine": round(c, 4)} for t, c in self.index.top_triggers(vector, name,
-                                                                                                 self.top_k)]}
-            for name, score in self.rank(vector, limit)
-        ]
+        out = []
+        for name, score in self.rank(vector, limit, text):
+            entry: dict[str, Any] = {"name": name, "score": round(score, 4), "triggers": [
+                {"text": t, "cosine": round(c, 4)} for t, c in self.index.top_triggers(vector, name, self.top_k)]}
+            if self.head is not None and name in self.head.names:
+                entry["words"] = self.head.lexicon.matches(text, self.head.names.index(name))
+            out.append(entry)
+        return out

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capd.batching import MicroBatcher
+from capd.batching import MicroBatcher, aembed
 from capd.catalog import Capability, Catalog, Problem
-from capd.encoder import Encoder, open_encoder
+from capd.encoder import Encoder, Vectors, open_encoder
 from capd.errors import StateError, UnknownCapability
-from capd.index import TriggerIndex
+from capd.fused import FusedHead, build_head, head_key
+from capd.index import SyncReport, TriggerIndex
+from capd.learned import Corrections, LearnedStore
 from capd.metrics import Metrics
 from capd.models import manifest_for
-from capd.router import Decision, GateBook, Gates, Router, build_gatebook
+from capd.router import Decision, GateBook, Gates, Router, build_gatebook, example_catalog
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
@@ -33,6 +35,8 @@ from capd.text import clean_message
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
+
+LEARN_DELAY = 1.0  # seconds between a recorded correction and routing with it (corrections come in bursts)
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,14 @@ class _TapState:
 
 class Service:
     def __init__(self, settings: Settings, encoder: Encoder | None = None, sessions: bool = False,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, learn: bool | None = None) -> None:
+        """``sessions``: keep per-session state (the daemon). ``learn`` (default: with sessions and
+        ``settings.learn``): record corrections and route with learned examples (:mod:`capd.learned`)."""
         self.settings = settings
+        self._want_learning = (sessions and settings.learn) if learn is None else learn
+        self.learned: LearnedStore | None = None
+        self.corrections = Corrections()
+        self._learn_timer: threading.Timer | None = None
         self.metrics = Metrics()
         self.counters = Counters()
         self._encoder_override = encoder
@@ -106,6 +116,9 @@ class Service:
                 self.registry = SessionRegistry(store, self.catalog_now, max_active=self.settings.max_active,
                                                 pinned=self.settings.pinned, clock=self._clock,
                                                 ttl=self.settings.session_ttl)
+                self.registry.on_manual = self._on_manual_enable
+            if self._want_learning:
+                self.learned = LearnedStore.open(self.settings.data_dir)
             self.reload()
         except Exception as exc:
             self.startup_error = str(exc)
@@ -128,8 +141,13 @@ class Service:
             return SessionStore(path, memory=True)
 
     def close(self) -> None:
+        timer = self._learn_timer
+        if timer is not None:
+            timer.cancel()
         if isinstance(self.encoder, MicroBatcher):
             self.encoder.close()
+        if self.learned is not None:
+            self.learned.close()
 
     def _register_gauges(self) -> None:
         self.metrics.gauge("capd_capabilities", "Capabilities in the catalog.", lambda: len(self.catalog_now()))
@@ -192,25 +210,89 @@ class Service:
         assert self.embedder is not None and self.index is not None and self.encoder is not None
         with self._lock:
             catalog = self._load_taps(changed)
-            report = self.index.sync(catalog, self.embedder)
-            self.counters.embedded += report.embedded
-            self.counters.cached += report.cached
+            report = self._publish(catalog)
             self.counters.reloads += 1
-            router = Router(self.encoder, self.index, catalog, self._gatebook(catalog), rule=self.settings.rule,
-                            min_chars=self.settings.min_chars)
-            self._snapshot = Snapshot(catalog, router)
         for problem in catalog.errors:
             log.error("tap error: %s", problem)
         return {"capabilities": len(catalog), "added": list(report.added), "removed": list(report.removed),
                 "changed": list(report.changed), "embedded": report.embedded, "cached": report.cached,
                 "errors": [p.as_dict() for p in catalog.errors]}
 
+    def _publish(self, catalog: Catalog) -> SyncReport:
+        """Index ``catalog``'s examples for the rule and swap in a router for it (under the lock)."""
+        assert self.embedder is not None and self.index is not None and self.encoder is not None
+        rule = self.settings.rule
+        examples = example_catalog(catalog, rule, self._learned_examples(catalog))
+        report = self.index.sync(examples, self.embedder)
+        self.counters.embedded += report.embedded
+        self.counters.cached += report.cached
+        head = self._fused_head(examples) if rule == "fused" else None
+        router = Router(self.encoder, self.index, catalog, self._gatebook(catalog), rule=rule,
+                        min_chars=self.settings.min_chars, head=head)
+        self._snapshot = Snapshot(catalog, router)
+        return report
+
+    # -- learning from corrections ---------------------------------------------------------
+
+    def _on_manual_enable(self, session: str, name: str) -> None:
+        """A manual enable right after a miss: record (message -> name) and apply it soon."""
+        turn = self.corrections.enabled(session, name)
+        capability = self.catalog_now().get(name)
+        if turn is None or self.learned is None or capability is None or not capability.triggers:
+            return
+        previous = "abstain" if turn.decision == "abstain" else turn.capability
+        if self.learned.record(capability.tap, name, turn.message, previous, session):
+            log.info("learned: %r -> %s (routing said %s)", turn.message[:80], name, previous)
+            self._schedule_learning()
+
+    def _schedule_learning(self) -> None:
+        with self._lock:
+            if self._learn_timer is not None and self._learn_timer.is_alive():
+                return
+            self._learn_timer = threading.Timer(LEARN_DELAY, self.apply_learned)
+            self._learn_timer.daemon = True
+            self._learn_timer.start()
+
+    def apply_learned(self) -> int:
+        """Route with the learned examples recorded so far (blocking); returns how many are in effect."""
+        with self._lock:
+            snapshot = self._snapshot
+            if snapshot is None or self.learned is None:
+                return 0
+            self._publish(snapshot.catalog)
+            return sum(len(v) for v in self._learned_examples(snapshot.catalog).values())
+
+    def _fused_head(self, examples: Catalog) -> FusedHead:
+        """The fused rule's head for the index as it now stands (cached in the data directory)."""
+        assert self.index is not None and self.embedder is not None
+        names, vectors, labels = self.index.examples()
+        key = head_key(self.embedder.model_id, names, [self.index.fingerprint_of(n) or "" for n in names])
+        documents = [self.index.triggers(n) for n in names]
+        learned = self._learned_examples(examples)
+        flags = [text in learned.get(n, ()) for n, texts in zip(names, documents, strict=True) for text in texts]
+        return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
+                          flags if any(flags) else None)
+
+    def _learned_examples(self, catalog: Catalog) -> dict[str, tuple[str, ...]]:
+        """Learned corrections of this catalog's capabilities (those recorded for their tap)."""
+        if self.learned is None:
+            return {}
+        out: dict[str, tuple[str, ...]] = {}
+        for tap in catalog.taps:
+            for name, messages in self.learned.for_tap(tap).items():
+                capability = catalog.get(name)
+                if capability is not None and capability.tap == tap:
+                    out[name] = messages
+        return out
+
     def _gatebook(self, catalog: Catalog) -> GateBook:
         manifest = manifest_for(self.settings)
+        rule = self.settings.rule
         overrides = {"threshold": self.settings.threshold, "margin": self.settings.margin,
                      "top_k": self.settings.top_k}
-        model_gates = Gates(manifest.threshold, manifest.margin, manifest.top_k)
-        return build_gatebook(model_gates, catalog, overrides, model=manifest.name)
+        gates = manifest.gates_for(rule)
+        model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]))
+        return build_gatebook(model_gates, catalog, overrides, model=manifest.name, rule=rule)
 
     @property
     def router(self) -> Router:
@@ -222,38 +304,62 @@ class Service:
     # -- routing ---------------------------------------------------------------------------
 
     def route(self, message: str, session: str | None = None) -> RouteResult:
+        """Route one message, blocking while the model encodes it (CLI, tests). See :meth:`aroute`."""
         started = time.perf_counter()
+        prepared = self._prepare(message, session)
+        if isinstance(prepared, RouteResult):
+            return self._routed(prepared, session, started)
+        snapshot, text = prepared
+        vector = snapshot.router.encoder.embed([text])[0]
+        return self._routed(self._decide(snapshot, text, vector, session), session, started)
+
+    async def aroute(self, message: str, session: str | None = None) -> RouteResult:
+        """:meth:`route` for the event loop (``POST /v1/route``): the same result, metrics and
+        session semantics, but it awaits the micro-batcher instead of holding a thread meanwhile."""
+        started = time.perf_counter()
+        prepared = self._prepare(message, session)
+        if isinstance(prepared, RouteResult):
+            return self._routed(prepared, session, started)
+        snapshot, text = prepared
+        vector = (await aembed(snapshot.router.encoder, [text]))[0]
+        return self._routed(self._decide(snapshot, text, vector, session), session, started)
+
+    def _prepare(self, message: str, session: str | None) -> tuple[Snapshot, str] | RouteResult:
+        """The snapshot and cleaned text to route, or the result when there is nothing to encode."""
         snapshot = self._snapshot
         if snapshot is None:
-            result = RouteResult(Decision("skipped", "warming up: the model and index are loading"))
-        else:
-            result = self._route(snapshot, message, session)
-        elapsed = time.perf_counter() - started
-        self.metrics.observe_route(elapsed)
-        self.metrics.inc("capd_decisions_total", "Routing decisions by kind.", decision=result.decision.decision)
-        d = result.decision
-        log.info("route session=%s decision=%s capability=%s score=%s margin=%s latency_ms=%.2f", session,
-                 d.decision, d.capability, None if d.score is None else round(d.score, 4),
-                 None if d.margin is None else round(d.margin, 4), elapsed * 1000)
-        return RouteResult(d, result.plan, elapsed * 1000)
-
-    def _route(self, snapshot: Snapshot, message: str, session: str | None) -> RouteResult:
-        router = snapshot.router
-        text, long_enough = clean_message(message, router.min_chars)
+            return RouteResult(Decision("skipped", "warming up: the model and index are loading"))
+        min_chars = snapshot.router.min_chars
+        text, long_enough = clean_message(message, min_chars)
         if not long_enough:
-            decision = Decision("skipped", f"too short: fewer than {router.min_chars} characters after "
-                                "removing tags")
+            decision = Decision("skipped", f"too short: fewer than {min_chars} characters after removing tags")
             return RouteResult(decision, self._session_plan(session))
-        vector = router.encoder.embed([text])[0]
+        return snapshot, text
+
+    def _decide(self, snapshot: Snapshot, text: str, vector: Vectors, session: str | None) -> RouteResult:
+        router = snapshot.router
         if session is None or self.registry is None:
-            return RouteResult(router.decide(vector, ()))
+            return RouteResult(router.decide(vector, (), text))
         with self.registry.locked(session):
-            decision = router.decide(vector, self.registry.active_names(session))
+            decision = router.decide(vector, self.registry.active_names(session), text)
             if decision.decision == "activate" and decision.capability is not None:
                 plan = self.registry.activate(session, decision.capability, "auto")
             else:
                 plan = self.registry.reconcile(session)
+            self.corrections.routed(session, text, decision.decision, decision.capability)
         return RouteResult(decision, plan)
+
+    def _routed(self, result: RouteResult, session: str | None, started: float) -> RouteResult:
+        """Record a finished route (latency, decision count, a debug line) and stamp its latency."""
+        elapsed = time.perf_counter() - started
+        self.metrics.observe_route(elapsed)
+        d = result.decision
+        self.metrics.inc("capd_decisions_total", "Routing decisions by kind.", decision=d.decision)
+        if log.isEnabledFor(logging.DEBUG):  # a line per agent turn is debug detail, not info
+            log.debug("route session=%s decision=%s capability=%s score=%s margin=%s latency_ms=%.2f", session,
+                      d.decision, d.capability, None if d.score is None else round(d.score, 4),
+                      None if d.margin is None else round(d.margin, 4), elapsed * 1000)
+        return RouteResult(d, result.plan, elapsed * 1000)
 
     def _session_plan(self, session: str | None) -> Plan | None:
         if session is None or self.registry is None:

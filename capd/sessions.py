@@ -207,6 +207,8 @@ class SessionRegistry:
         self._locks: dict[str, _LockEntry] = {}
         self._locks_guard = threading.Lock()
         self._degraded = False
+        # Called as on_manual(session, name) after every manual activation (capd.learned listens).
+        self.on_manual: Callable[[str, str], None] | None = None
 
     @contextmanager
     def locked(self, session: str) -> Iterator[None]:
@@ -244,7 +246,13 @@ class SessionRegistry:
                 if len(change.unpinned()) >= self.max_active:
                     self._evict_one(change)
                 change.add(capability, origin, now)
-            return self._commit(change, now)
+            plan = self._commit(change, now)
+        if origin == "manual" and self.on_manual is not None:
+            try:
+                self.on_manual(session, name)
+            except Exception:  # learning is best effort; the enable itself succeeded
+                log.exception("on_manual listener failed for %s in session %s", name, session)
+        return plan
 
     def deactivate(self, session: str, name: str) -> Plan:
         """Remove ``name`` (idempotent). Pinned → PinnedCapability; never active and not in the catalog → Unknown."""

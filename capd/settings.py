@@ -22,7 +22,7 @@ from capd.errors import ConfigError
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
 BACKENDS = ("auto", "onnx", "torch")
-RULES = ("capd", "anchor")
+RULES = ("capd", "anchor", "fused")
 
 
 def package_root() -> Path:
@@ -81,6 +81,7 @@ class Settings:
     token: str | None = None
     uds: Path | None = None
     log_level: str = "info"
+    learn: bool = True  # the daemon learns from corrections (capd/learned.py)
     config_file: Path | None = None
 
     def public_dict(self) -> dict[str, Any]:
@@ -146,6 +147,14 @@ def _as_path(value: object) -> Path:
     return Path(_as_str(value)).expanduser()
 
 
+def _as_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ValueError("must be true or false")
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[object], str]:
     def convert(value: object) -> str:
         text = _as_str(value).lower()
@@ -177,6 +186,14 @@ def _unit_float(value: object) -> float:
     return number
 
 
+def _margin(value: object) -> float:
+    """A margin: a cosine gap (anchor, capd) or a log-odds gap (fused, often above 1)."""
+    number = _as_float(value)
+    if not 0.0 <= number <= 100.0:
+        raise ValueError("must be between 0 and 100")
+    return number
+
+
 _CONVERTERS: dict[str, Callable[[object], object]] = {
     "host": _as_str,
     "port": _port,
@@ -187,7 +204,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "backend": _choice(BACKENDS),
     "rule": _choice(RULES),
     "threshold": _unit_float,
-    "margin": _unit_float,
+    "margin": _margin,
     "top_k": _positive_int,
     "max_active": _positive_int,
     "min_chars": _as_int,
@@ -196,6 +213,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "token": _as_str,
     "uds": _as_path,
     "log_level": _choice(("debug", "info", "warning", "error")),
+    "learn": _as_bool,
 }
 
 # Environment variable -> setting. DESIGN.md fixes CAPD_TAPS, HOST, PORT, DATA_DIR, CONFIG, MODEL, TOKEN.

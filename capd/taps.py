@@ -55,15 +55,49 @@ def _resolve(path: Path) -> Path:
         raise TapFileError(path, f"cannot resolve: {exc.strerror or exc}") from None
 
 
+class _Folder:
+    """A capability folder and its tap, each resolved once per load, for the containment checks.
+
+    The real path of a file directly in the folder that is not a symlink, or is a link to a
+    sibling that is not one (``default.toml -> postgres.toml``), is the folder's real path plus
+    a name: one or two system calls instead of ``Path.resolve``'s ``lstat`` per component of
+    the path. Resolving took a fifth of the time of loading a 10,000-capability tap.
+    """
+
+    def __init__(self, tap: Path, path: Path, real_tap: Path | None = None) -> None:
+        self.real_tap = _resolve(tap) if real_tap is None else real_tap
+        self.path = path
+        self.real_path = _resolve(path)
+
+    def real(self, path: Path) -> Path:
+        if path.parent == self.path:
+            if not path.is_symlink():
+                return self.real_path / path.name
+            try:
+                link = os.readlink(path)
+            except OSError:
+                link = "/"  # let resolve report it
+            if "/" not in link and link not in (".", "..") and not (self.path / link).is_symlink():
+                return self.real_path / link
+        return _resolve(path)
+
+    def read(self, path: Path, target: Path | None = None) -> bytes:
+        return _read(path, self.real_tap, self.real(path) if target is None else target)
+
+
 def read_tap_file(path: Path, root: Path) -> bytes:
     """Read one tap file with the guards every tap file gets; raises :class:`TapFileError`."""
-    target = _resolve(path)
+    return _read(path, _resolve(root), _resolve(path))
+
+
+def _read(path: Path, real_root: Path, target: Path) -> bytes:
+    """:func:`read_tap_file` given the real paths of the tap and of ``path``."""
     if path.is_symlink():
         if not target.exists():
             raise TapFileError(path, f"symlink points to {os.readlink(path)!r}, which does not exist")
-        if not target.is_relative_to(_resolve(root)):
+        if not target.is_relative_to(real_root):
             raise TapFileError(path, f"symlink points outside the tap ({target})")
-    elif not target.is_relative_to(_resolve(root)):  # reached through a symlinked folder
+    elif not target.is_relative_to(real_root):  # reached through a symlinked folder
         raise TapFileError(path, f"resolves outside the tap ({target}) through a symlinked folder")
     try:
         info = path.stat()
@@ -90,7 +124,10 @@ def read_tap_file(path: Path, root: Path) -> bytes:
 
 def parse_toml(path: Path, root: Path) -> tuple[dict[str, Any], str, bytes]:
     """Parse a tap TOML file; returns (table, text, raw bytes). Errors carry the line."""
-    data = read_tap_file(path, root)
+    return _parse(path, read_tap_file(path, root))
+
+
+def _parse(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -177,7 +214,11 @@ def _server(check: _Checker, index: int, table: object) -> ServerSpec:
 
 def load_provider(path: Path, root: Path, name: str | None = None) -> Provider:
     """Parse and validate one provider file."""
-    table, text, data = parse_toml(path, root)
+    return _load_provider(path, _Folder(root, path.parent), name)
+
+
+def _load_provider(path: Path, folder: _Folder, name: str | None = None) -> Provider:
+    table, text, data = _parse(path, folder.read(path))
     check = _Checker(path, text)
     deps = check.table(table, "deps")
     roles = check.table(table, "roles")
@@ -201,8 +242,8 @@ def load_provider(path: Path, root: Path, name: str | None = None) -> Provider:
     )
 
 
-def _load_config(path: Path, root: Path) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
-    table, text, _ = parse_toml(path, root)
+def _load_config(path: Path, folder: _Folder) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
+    table, text, _ = _parse(path, folder.read(path))
     check = _Checker(path, text)
     triggers = check.strings(table, "triggers")
     for trigger in triggers:
@@ -213,29 +254,42 @@ def _load_config(path: Path, root: Path) -> tuple[tuple[str, ...], tuple[str, ..
     return tuple(t.strip() for t in triggers), domains, description
 
 
-def _pick_default(directory: Path, root: Path, providers: dict[str, Provider],
-                  problems: list[Problem], name: str) -> Provider | None:
-    default = directory / "default.toml"
+def _pick_default(folder: _Folder, providers: dict[str, Provider], problems: list[Problem],
+                  name: str) -> Provider | None:
+    default = folder.path / "default.toml"
     if default.is_symlink():
-        read_tap_file(default, root)  # raises for dangling, looping or escaping links
-        target = _resolve(default)
+        target = folder.real(default)
+        folder.read(default, target)  # raises for dangling, looping or escaping links
         for provider in providers.values():
-            if provider.path.resolve() == target:
+            if folder.real(provider.path) == target:
                 return provider
-        return load_provider(target, root)
+        return _load_provider(target, folder)
     if default.exists():
-        return load_provider(default, root, name="default")
+        return _load_provider(default, folder, name="default")
     if not providers:
         return None
     chosen = sorted(providers)[0]
     if len(providers) > 1:
-        problems.append(Problem("warning", str(directory), f"no default.toml; using {chosen}.toml of "
+        problems.append(Problem("warning", str(folder.path), f"no default.toml; using {chosen}.toml of "
                                 f"{len(providers)} providers", capability=name, code="no-default"))
     return providers[chosen]
 
 
-def load_capability(tap: Path, directory: Path) -> tuple[Capability | None, list[Problem]]:
-    """Load one capability folder. Returns (capability or None if skipped, problems)."""
+def _toml_files(directory: Path) -> list[Path]:
+    """``sorted(directory.glob("*.toml"))`` in one ``listdir`` (glob also builds a Path per entry)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:  # as glob: an unreadable folder lists nothing (its config.toml then fails to read)
+        return []
+    return [directory / name for name in sorted(names) if name.endswith(".toml")]
+
+
+def load_capability(tap: Path, directory: Path,
+                    real_tap: Path | None = None) -> tuple[Capability | None, list[Problem]]:
+    """Load one capability folder. Returns (capability or None if skipped, problems).
+
+    ``real_tap`` is ``tap`` resolved, when the caller loads many folders of one tap.
+    """
     name = directory.name
     problems: list[Problem] = []
     if not NAME_RE.match(name):
@@ -243,20 +297,21 @@ def load_capability(tap: Path, directory: Path) -> tuple[Capability | None, list
                                 capability=name, code="bad-name"))
         return None, problems
     try:
-        if not _resolve(directory).is_relative_to(_resolve(tap)):
+        folder = _Folder(tap, directory, real_tap)
+        if not folder.real_path.is_relative_to(folder.real_tap):
             raise TapFileError(directory, "capability folder is a symlink pointing outside the tap")
         config = directory / "config.toml"
         triggers: tuple[str, ...] = ()
         domains: tuple[str, ...] = ()
         description: str | None = None
         if config.exists() or config.is_symlink():
-            triggers, domains, description = _load_config(config, tap)
+            triggers, domains, description = _load_config(config, folder)
         providers: dict[str, Provider] = {}
-        for path in sorted(directory.glob("*.toml")):
+        for path in _toml_files(directory):
             if path.name in ("config.toml", "default.toml"):
                 continue
-            providers[path.stem] = load_provider(path, tap)
-        default = _pick_default(directory, tap, providers, problems, name)
+            providers[path.stem] = _load_provider(path, folder)
+        default = _pick_default(folder, providers, problems, name)
     except TapFileError as exc:
         problems.append(Problem("error", str(exc.path), exc.reason, exc.line, capability=name, code="invalid"))
         return None, problems
@@ -284,18 +339,27 @@ def load_tap_config(tap: Path) -> tuple[TapConfig | None, list[Problem]]:
     try:
         table, text, _ = parse_toml(path, tap)
         check = _Checker(path, text)
-        gates_raw = check.table(table, "gates")
-        gates: dict[str, float] = {}
-        for key, value in gates_raw.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise check.fail(f"gates.{key}", "must be a number")
-            if key not in GATE_KEYS:
-                raise check.fail(f"gates.{key}", f"is not a gate (known: {', '.join(GATE_KEYS)})")
-            gates[key] = float(value)
+        gates_raw = dict(check.table(table, "gates"))
+        fused_raw = check.table(gates_raw, "fused") if "fused" in gates_raw else {}
+        gates_raw.pop("fused", None)
+        gates = _gate_values(check, "gates", gates_raw, GATE_KEYS)
+        fused_gates = _gate_values(check, "gates.fused", fused_raw, ("threshold", "margin"))
         model = check.optional_str(table, "model")
     except TapFileError as exc:
         return None, [Problem("error", str(exc.path), exc.reason, exc.line, code="invalid")]
-    return TapConfig(path=path, gates=MappingProxyType(gates), model=model), []
+    return TapConfig(path=path, gates=MappingProxyType(gates), model=model,
+                     fused_gates=MappingProxyType(fused_gates)), []
+
+
+def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any], known: Sequence[str]) -> dict[str, float]:
+    gates: dict[str, float] = {}
+    for key, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise check.fail(f"{where}.{key}", "must be a number")
+        if key not in known:
+            raise check.fail(f"{where}.{key}", f"is not a gate (known: {', '.join(known)})")
+        gates[key] = float(value)
+    return gates
 
 
 def capability_dirs(tap: Path) -> list[Path]:
@@ -314,8 +378,12 @@ def load_tap(tap: Path) -> TapLoad:
         problems.append(Problem("error", str(tap), "not a tap: no capabilities/ directory", code="missing-tap"))
         return [], problems, None
     capabilities: list[Capability] = []
+    try:
+        real_tap: Path | None = _resolve(tap)
+    except TapFileError:
+        real_tap = None  # each capability then reports it
     for directory in capability_dirs(tap):
-        capability, found = load_capability(tap, directory)
+        capability, found = load_capability(tap, directory, real_tap)
         problems.extend(found)
         if capability is not None:
             capabilities.append(capability)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from capd.batching import MicroBatcher
+from capd.batching import MicroBatcher, aembed
 from capd.encoder import Encoder, HashEncoder, Vectors
 from capd.errors import ModelError
 
@@ -156,3 +156,30 @@ def test_real_model_vectors_are_unchanged_by_batching(real_encoder: Encoder) -> 
         assert batcher.calls < len(texts)
     alone = np.vstack([real_encoder.embed([t]) for t in texts])
     assert float(np.min(np.sum(batched * alone, axis=1))) >= 0.9999
+
+
+def test_a_cancelled_aembed_does_not_stop_the_worker() -> None:
+    """A request whose awaiting task is cancelled while it waits behind a model call is
+    skipped; the worker lives on and serves the next caller."""
+    encoder = SlowEncoder(seconds=0.05)
+
+    async def main(batcher: MicroBatcher) -> Vectors:
+        busy = asyncio.ensure_future(batcher.aembed(["keeps the model busy"]))
+        await asyncio.sleep(0.01)  # the worker is inside the model call now
+        waiting = asyncio.ensure_future(batcher.aembed(["given up on"]))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await busy
+        return await batcher.aembed(["after the cancellation"])
+
+    with MicroBatcher(encoder) as batcher:
+        vectors = asyncio.run(main(batcher))
+        assert batcher.embed(["and a blocking call"]).shape == (1, 32)
+    assert vectors.shape == (1, 32)
+    assert ["given up on"] not in encoder.batches
+
+
+def test_aembed_helper_takes_any_encoder() -> None:
+    plain = HashEncoder(dim=32)
+    vectors = asyncio.run(aembed(plain, ["a plain encoder runs in a worker thread"]))
+    assert np.array_equal(vectors, plain.embed(["a plain encoder runs in a worker thread"]))

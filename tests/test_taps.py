@@ -159,3 +159,26 @@ def test_shipped_tap_loads_cleanly() -> None:
     for capability in catalog:
         assert 6 <= len(capability.triggers) <= 12, capability.name
         assert capability.provider is not None, capability.name
+
+
+def test_links_between_siblings_are_still_checked(tmp_path: Path) -> None:
+    """The loader places a file linked to a sibling without resolving the whole path; a sibling
+    that is itself a link, a loop, or a folder linked from elsewhere in the tap is still followed."""
+    tap = octomind_tap(tmp_path)
+    caps = tap / "capabilities"
+    outside = tmp_path / "outside.toml"
+    outside.write_text(POSTGRES_PROVIDER)
+    chain = write_capability(tap, "chain", ["a default that links to a link"], {})
+    os.symlink(outside, chain / "inner.link")  # not *.toml: only reached through default.toml
+    os.symlink("inner.link", chain / "default.toml")
+    loop = write_capability(tap, "loop", ["a default that links to itself"], {})
+    os.symlink("default.toml", loop / "default.toml")
+    os.symlink("database-postgres", caps / "postgres-again")  # a folder linked within the tap: fine
+    catalog = load_catalog([tap])
+    by_cap = {p.capability: p for p in catalog.errors}
+    assert set(by_cap) == {"chain", "loop"}
+    assert "outside the tap" in by_cap["chain"].reason and by_cap["chain"].file.endswith("default.toml")
+    assert "symlink loop" in by_cap["loop"].reason
+    again = catalog.capabilities["postgres-again"]
+    assert again.provider is not None and again.provider.name == "postgres"
+    assert again.servers == catalog.capabilities["database-postgres"].servers

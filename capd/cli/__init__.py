@@ -8,6 +8,7 @@ from capd import __version__
 from capd.cli.common import CapdGroup
 from capd.cli.daemon_cmds import disable, enable, list_, serve, status
 from capd.cli.engine_cmds import index, models
+from capd.cli.learned_cmds import learned
 from capd.cli.router_cmds import calibrate, discover, eval_, route, test_
 from capd.cli.tap_cmds import lint
 
@@ -28,3 +29,4 @@ for command in (serve, status, list_, enable, disable):
     main.add_command(command)
 main.add_command(index)
 main.add_command(models)
+main.add_command(learned)

@@ -13,7 +13,7 @@ import click
 
 from capd.cli.common import EXIT_UNREACHABLE, Failed, build_settings, emit_json
 from capd.client import CapdClient
-from capd.settings import Settings
+from capd.settings import RULES, Settings
 
 
 def client_for(settings: Settings) -> CapdClient:
@@ -39,7 +39,7 @@ def daemon_options(func: Any) -> Any:
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="Env: CAPD_DATA_DIR.")
 @click.option("--model", default=None, help="Model manifest name. Env: CAPD_MODEL.")
 @click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None)
-@click.option("--rule", type=click.Choice(["capd", "anchor"]), default=None)
+@click.option("--rule", type=click.Choice(RULES), default=None)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: int | None, uds: Path | None,
           data_dir: Path | None, model: str | None, backend: str | None, rule: str | None,

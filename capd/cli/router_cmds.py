@@ -9,7 +9,7 @@ import click
 
 from capd.cli.common import EXIT_ERROR, EXIT_USAGE, Failed, build_settings, emit_json, settings_options
 from capd.cli.daemon_cmds import client_for
-from capd.settings import Settings
+from capd.settings import RULES, Settings
 
 
 def _service(settings: Settings) -> Any:
@@ -69,7 +69,7 @@ def discover(intent: str, config: Path | None, taps: tuple[Path, ...], data_dir:
 @click.command()
 @click.argument("message")
 @settings_options
-@click.option("--rule", type=click.Choice(["capd", "anchor"]), default=None, help="Routing rule.")
+@click.option("--rule", type=click.Choice(RULES), default=None, help="Routing rule.")
 @click.option("--session", default=None, help="Session id (daemon only): activations update its plan.")
 @click.option("--explain", is_flag=True, help="Show each candidate's best triggers and their cosines.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -102,7 +102,7 @@ def _eval_options(func: Any) -> Any:
     func = click.option("--fixtures", "fixture_files", multiple=True, required=True,
                         type=click.Path(path_type=Path, exists=True, dir_okay=False),
                         help="Fixture file (.jsonl); repeat for several.")(func)
-    func = click.option("--rule", type=click.Choice(["capd", "anchor"]), default=None, help="Routing rule.")(func)
+    func = click.option("--rule", type=click.Choice(RULES), default=None, help="Routing rule.")(func)
     return settings_options(func)
 
 
@@ -230,7 +230,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong)
     point = report["recommended"]
     if write and point is not None:
-        report["written"] = [str(write_gates(Path(t), point, settings.model)) for t in settings.taps]
+        report["written"] = [str(write_gates(Path(t), point, settings.model, settings.rule)) for t in settings.taps]
     if as_json:
         emit_json(report)
     else:

@@ -1,0 +1,1 @@
+"""Routing-quality report (``make quality``): see :mod:`benchmarks.quality.run`."""

@@ -1,0 +1,79 @@
+"""Choose a rule's *default* gates (the model manifest's) from the fit parts of every eval set.
+
+A tap that was never calibrated routes with the manifest's gates, so they must be safe on
+taps they were not fitted on. This sweeps the rule's gate grid and keeps the point with the
+highest mean fired_right over the sets whose worst null_fpr and fired_wrong stay within the
+limits — on the fit parts only (``capd.calibrate.split``), so every held-out row stays unseen.
+
+    .venv/bin/python -m benchmarks.quality.default_gates --rule fused
+
+Prints the chosen point and, for reference, what it gives on each set's fit part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from capd.calibrate import grid_for, split, sweep
+from capd.evaluation import score_table
+from capd.fixtures import load_fixtures
+from capd.service import Service
+from capd.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+EVALSETS = ROOT.parent / "shared" / "evalsets"
+
+
+def sets() -> dict[str, tuple[Path, list[Path]]]:
+    """name -> (tap, fixture files): the shared sets present here, and the shipped tap."""
+    out: dict[str, tuple[Path, list[Path]]] = {}
+    if EVALSETS.is_dir():
+        for directory in sorted(p for p in EVALSETS.iterdir() if (p / "tap").is_dir()):
+            out[directory.name] = (directory / "tap", sorted(directory.glob("*.jsonl")))
+    core = ROOT / "taps" / "core"
+    out["core"] = (core, sorted((core / "fixtures").glob("*.jsonl")))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rule", default="fused")
+    parser.add_argument("--max-null-fpr", type=float, default=0.05)
+    parser.add_argument("--max-wrong", type=float, default=0.03)
+    args = parser.parse_args()
+    grid = grid_for(args.rule)
+    k = 3 if 3 in grid.top_ks else grid.top_ks[0]
+    rights, wrongs, nulls = {}, {}, {}
+    with tempfile.TemporaryDirectory() as data_dir:
+        for name, (tap, files) in sets().items():
+            settings = load_settings(flags={"taps": [str(tap)], "rule": args.rule, "data_dir": data_dir})
+            service = Service(settings).start()
+            fixtures = load_fixtures(files)
+            fit_rows, _ = split(fixtures)
+            table = score_table(service.router, fixtures, top_k=k).subset(fit_rows)
+            rights[name], wrongs[name], nulls[name] = sweep(table, grid)  # no nulls: null_fpr 0
+            service.close()
+    worst_null = np.max(np.stack(list(nulls.values())), axis=0)
+    worst_wrong = np.max(np.stack(list(wrongs.values())), axis=0)
+    mean_right = np.mean(np.stack(list(rights.values())), axis=0)
+    ok = (worst_null <= args.max_null_fpr + 1e-9) & (worst_wrong <= args.max_wrong + 1e-9)
+    score = np.where(ok, mean_right, -1.0)
+    t, m = np.unravel_index(int(np.argmax(score)), score.shape)
+    if score[t, m] < 0:
+        raise SystemExit("no gate point keeps every set within the limits")
+    print(json.dumps({
+        "rule": args.rule, "threshold": float(grid.thresholds[t]), "margin": float(grid.margins[m]),
+        "mean_fit_fired_right": round(float(mean_right[t, m]), 4),
+        "per_set_fit": {n: {"fired_right": round(float(rights[n][t, m]), 4),
+                            "fired_wrong": round(float(wrongs[n][t, m]), 4),
+                            "null_fpr": round(float(nulls[n][t, m]), 4)} for n in rights},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""The ``fused`` rule: a light head, soft nearest neighbours and lexical evidence, fused.
+
+The anchor's rule ranks capabilities by the mean of their top-3 trigger cosines and fires
+on a raw cosine threshold. Its ranking is mostly right; its *decision* is weak, because
+some capabilities' triggers sit close to everything and others' far from everything, so
+one cosine threshold suits none of them. ``fused`` keeps the same embeddings and changes
+three things (measured one by one in ``benchmarks/quality/README.md``):
+
+1. **Examples**: each capability's triggers plus its description and its name (``-`` as a
+   space) — and any learned corrections (:mod:`capd.learned`) — are its examples.
+2. **Ranking**: ``F = A·log_softmax(head) + (1−A)·log_softmax(K/τ) + W_BM·BM25/τ`` where
+   ``head`` is a multinomial logistic regression fitted on the example embeddings (the
+   tap's own triggers are its training data), ``K`` is the anchor's mean-of-top-3 over the
+   examples, and BM25 scores the message's words against one document per capability
+   (names and products that embeddings blur).
+3. **Gates**: ``level = K_w − μ_in[w]`` (how close the message is to the winner compared
+   with how close the winner's own examples are to each other) must reach ``threshold``,
+   and ``gap = F_w − F_second`` (a log-odds margin) must reach ``margin``.
+
+The head costs examples × capabilities logits to fit; above :data:`HEAD_BUDGET` it is not
+fitted and the rule runs on ``K`` and BM25 alone (logged). A fitted head is cached in the
+data directory by the content hash of everything it was fitted on, so restarts do not refit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+log = logging.getLogger(__name__)
+
+Floats = npt.NDArray[np.float32]
+
+MIX = 0.85  # A: weight of the head against soft nearest neighbours
+TEMPERATURE = 0.05  # τ
+LEXICAL_WEIGHT = 0.02  # W_BM
+TOP_K = 3
+HEAD_C = 10.0  # inverse L2 strength of the head (scikit-learn's C)
+LEARNED_WEIGHT = 2.0  # a learned correction's weight in the head's fit, against 1 for a trigger
+HEAD_BUDGET = 20_000_000  # examples × capabilities above which no head is fitted
+BM25_K1, BM25_B = 1.2, 0.75
+VERSION = "fused-1"  # bump when anything above changes the cached heads
+
+_WORD = re.compile(r"[a-z0-9]+")
+_STOP_WORDS = """
+a an the to of and or in on at for with by from is are was were be been am i me my we our you your it its this
+that these those do does did can could would will should please pls hey hi what whats how when where which who why
+there here just some any so if then than as about up out into over under not no yes get got have has had let lets
+want need like tell show give make go know
+"""
+_STOP = frozenset(_STOP_WORDS.split())
+
+
+def words(text: str) -> list[str]:
+    """Lower-case content words with a light suffix strip (``running`` and ``runs`` → ``runn``/``run``)."""
+    out = []
+    for word in _WORD.findall(text.lower()):
+        if len(word) < 2 or word in _STOP:
+            continue
+        for suffix in ("ing", "ed", "es", "s"):
+            if len(word) > len(suffix) + 2 and word.endswith(suffix):
+                word = word[: -len(suffix)]
+                break
+        out.append(word)
+    return out
+
+
+class Lexicon:
+    """BM25 with one document per capability, stored as word → (capabilities, weights)."""
+
+    def __init__(self, documents: Sequence[Sequence[str]]) -> None:
+        self.size = len(documents)
+        tokenised = [[w for text in doc for w in words(text)] for doc in documents]
+        average = max(float(np.mean([len(t) for t in tokenised])) if tokenised else 1.0, 1.0)
+        frequency: Counter[str] = Counter(w for t in tokenised for w in set(t))
+        postings: dict[str, tuple[list[int], list[float]]] = {}
+        for column, tokens in enumerate(tokenised):
+            norm = BM25_K1 * (1 - BM25_B + BM25_B * len(tokens) / average)
+            for word, count in Counter(tokens).items():
+                df = frequency[word]
+                idf = math.log(1 + (self.size - df + 0.5) / (df + 0.5))
+                entry = postings.setdefault(word, ([], []))
+                entry[0].append(column)
+                entry[1].append(idf * count * (BM25_K1 + 1) / (count + norm))
+        self._postings = {w: (np.array(c, dtype=np.int64), np.array(v, dtype=np.float32))
+                          for w, (c, v) in postings.items()}
+
+    def scores(self, texts: Sequence[str]) -> Floats:
+        out = np.zeros((len(texts), self.size), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in set(words(text)):
+                hit = self._postings.get(word)
+                if hit is not None:
+                    out[row, hit[0]] += hit[1]
+        return out
+
+    def matches(self, text: str, column: int) -> list[str]:
+        """The message's words that count for one capability (for explanations)."""
+        return sorted({w for w in words(text) if (hit := self._postings.get(w)) is not None and column in hit[0]})
+
+
+def _log_softmax(x: Floats) -> Floats:
+    shifted = x - x.max(axis=1, keepdims=True)
+    return np.asarray(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)), dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Per message: the fused ranking ``F``, the gate statistics and the winner."""
+
+    fused: Floats  # [n, C]
+    level: Floats  # [n, C]: K - mu_in, the threshold statistic of each capability
+    winner: npt.NDArray[np.int64]  # [n]
+    gap: Floats  # [n]: F_winner - F_second (inf with one capability)
+
+    @property
+    def winner_level(self) -> Floats:
+        return np.asarray(self.level[np.arange(len(self.winner)), self.winner], dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class FusedHead:
+    """Everything the fused rule adds on top of the example index, for one set of capabilities."""
+
+    names: tuple[str, ...]
+    in_class: Floats  # mu_in [C]
+    weight: Floats | None  # [dim, C]; None when over HEAD_BUDGET
+    bias: Floats | None  # [C]
+    lexicon: Lexicon
+    mix: float = MIX
+    lexical_weight: float = LEXICAL_WEIGHT
+
+    def score(self, knn: Floats, vectors: Floats, texts: Sequence[str]) -> Scores:
+        """``knn``: mean-of-top-k example cosines ``[n, C]``; ``vectors``: the messages' unit vectors."""
+        weight, bias = self.weight, self.bias
+        with_head = weight is not None and bias is not None and self.mix > 0
+        fused = (1 - self.mix if with_head else 1.0) * _log_softmax(knn / TEMPERATURE)
+        if weight is not None and bias is not None and with_head:
+            fused = fused + self.mix * _log_softmax(np.asarray(vectors @ weight + bias, dtype=np.float32))
+        if self.lexical_weight:
+            fused = fused + (self.lexical_weight / TEMPERATURE) * self.lexicon.scores(texts)
+        fused = np.asarray(fused, dtype=np.float32)
+        n, columns = fused.shape
+        winner = fused.argmax(axis=1)
+        first = fused[np.arange(n), winner]
+        if columns > 1:
+            second = np.partition(fused, columns - 2, axis=1)[:, columns - 2]
+        else:
+            second = np.full(n, -np.inf, dtype=np.float32)
+        return Scores(fused, np.asarray(knn - self.in_class, dtype=np.float32), winner.astype(np.int64),
+                      np.asarray(first - second, dtype=np.float32))
+
+
+def in_class_similarity(vectors: Floats, labels: npt.NDArray[np.int64], columns: int, k: int = TOP_K) -> Floats:
+    """mu_in: per capability, the mean over its examples of their mean top-k cosine to its *other* examples.
+
+    A capability with one example gets 1.0 (nothing to compare with: its gate then asks
+    for a message about as close as a paraphrase).
+    """
+    out = np.ones(columns, dtype=np.float32)
+    order = np.argsort(labels, kind="stable")
+    bounds = np.searchsorted(labels[order], np.arange(columns + 1))
+    for column in range(columns):
+        rows = order[bounds[column]:bounds[column + 1]]
+        if len(rows) < 2:
+            continue
+        block = vectors[rows]
+        sims = block @ block.T
+        np.fill_diagonal(sims, -np.inf)
+        kk = min(k, len(rows) - 1)
+        top = -np.partition(-sims, kk - 1, axis=1)[:, :kk]
+        out[column] = float(top.mean())
+    return out
+
+
+def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int,
+             sample_weight: Floats | None = None) -> tuple[Floats, Floats]:
+    """Multinomial logistic regression on the example embeddings: weight ``[dim, C]``, bias ``[C]``."""
+    from sklearn.linear_model import LogisticRegression  # imported only when a head is fitted
+
+    present = np.unique(labels)
+    weight = np.zeros((vectors.shape[1], columns), dtype=np.float32)
+    bias = np.full(columns, -1e4, dtype=np.float32)  # a capability without examples never wins on the head
+    if len(present) == 1:
+        bias[present[0]] = 0.0
+        return weight, bias
+    model = LogisticRegression(C=HEAD_C, max_iter=3000)
+    model.fit(vectors, labels, sample_weight=sample_weight)
+    coef = np.asarray(model.coef_, dtype=np.float32)
+    intercept = np.asarray(model.intercept_, dtype=np.float32)
+    if len(present) == 2:  # scikit-learn returns one row for two classes: log-odds of the second
+        coef = np.vstack([-coef / 2, coef / 2])
+        intercept = np.array([-intercept[0] / 2, intercept[0] / 2], dtype=np.float32)
+    weight[:, present] = coef.T
+    bias[present] = intercept
+    return weight, bias
+
+
+def head_key(model_id: str, names: Sequence[str], fingerprints: Sequence[str]) -> str:
+    digest = hashlib.sha256(f"{VERSION}\n{model_id}\n".encode())
+    for name, fingerprint in zip(names, fingerprints, strict=True):
+        digest.update(f"{name}\t{fingerprint}\n".encode())
+    return digest.hexdigest()
+
+
+def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors: Floats,
+               labels: npt.NDArray[np.int64], key: str, cache_dir: Path | None,
+               learned: Sequence[bool] | None = None) -> FusedHead:
+    """Fit (or load from ``cache_dir``) the head for these examples; ``documents`` feed BM25.
+
+    ``learned`` marks the examples that are learned corrections: they weigh
+    :data:`LEARNED_WEIGHT` in the head's fit (one correction among a capability's dozen
+    triggers would otherwise barely move it).
+    """
+    columns = len(names)
+    weight: Floats | None = None
+    bias: Floats | None = None
+    in_class: Floats | None = None
+    path = cache_dir / f"{key}.npz" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            with np.load(path) as stored:
+                in_class = stored["in_class"]
+                if "weight" in stored:
+                    weight, bias = stored["weight"], stored["bias"]
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ignoring unreadable fused head %s: %s", path, exc)
+            in_class = None
+    if in_class is None or in_class.shape != (columns,):
+        in_class = in_class_similarity(vectors, labels, columns)
+        weight = bias = None
+        if len(vectors) * columns <= HEAD_BUDGET and columns > 0:
+            weights = None if learned is None else np.where(np.asarray(learned), LEARNED_WEIGHT, 1.0)
+            weight, bias = fit_head(vectors, labels, columns, weights)
+        elif columns > 0:
+            log.warning("fused rule: %d examples x %d capabilities is over the head budget (%d); "
+                        "ranking on nearest examples and BM25 only", len(vectors), columns, HEAD_BUDGET)
+        if path is not None:
+            _store(path, in_class, weight, bias)
+    return FusedHead(tuple(names), in_class, weight, bias, Lexicon(documents))
+
+
+def _store(path: Path, in_class: Floats, weight: Floats | None, bias: Floats | None) -> None:
+    arrays = {"in_class": in_class} if weight is None else {"in_class": in_class, "weight": weight, "bias": bias}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
+    except OSError as exc:  # a read-only data directory only costs a refit next start
+        log.warning("cannot cache the fused head in %s: %s", path.parent, exc)

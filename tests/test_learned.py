@@ -1,0 +1,124 @@
+"""Learning from corrections: the store, the turn tracker, the real daemon loop, the CLI."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+
+from capd.api import create_app
+from capd.cli import main
+from capd.learned import Corrections, LearnedStore
+from capd.settings import Settings, default_taps
+from tests.conftest import isolated_data_dir
+
+CORE = default_taps()[0].absolute()
+MISS = "the thing with the boxes is slow again"  # abstains on taps/core; the user meant docker
+
+
+def test_store_records_once_lists_and_forgets(tmp_path: Path) -> None:
+    store = LearnedStore.open(tmp_path)
+    assert store.record(CORE, "docker", MISS, "abstain", "s1")
+    assert not store.record(CORE, "docker", MISS, "abstain", "s2")  # known already
+    store.record(CORE, "git", "undo my last save point", "mysql", "s1")
+    store.record("/elsewhere", "git", "undo my last save point", None, None)
+    assert store.for_tap(CORE) == {"docker": (MISS,), "git": ("undo my last save point",)}
+    assert [e.tap for e in store.entries(capability="git")] == ["/elsewhere", str(CORE)]
+    store.close()
+    reopened = LearnedStore.open(tmp_path)  # durable
+    assert reopened.forget(tap=CORE, capability="git") == 1
+    assert len(reopened.entries()) == 2
+    assert reopened.forget() == 2 and reopened.entries() == []
+
+
+def test_unusable_data_dir_keeps_learning_in_memory(tmp_path: Path) -> None:
+    blocker = tmp_path / "data"
+    blocker.write_text("a file where the data directory should be")  # fails for root too
+    store = LearnedStore.open(blocker)
+    assert store.error and "in memory" in store.error
+    assert store.record(CORE, "docker", MISS)
+    assert store.for_tap(CORE) == {"docker": (MISS,)}
+    assert blocker.read_text().startswith("a file")  # nothing a user wrote is modified
+
+
+def test_corrections_take_the_latest_miss_within_the_window() -> None:
+    turns = Corrections(window=3)
+    turns.routed("s", "first message", "abstain", "mysql")
+    turns.routed("s", "second message", "activate", "postgres")
+    correction = turns.enabled("s", "docker")
+    assert correction is not None and correction.message == "second message"
+    assert turns.enabled("s", "docker") is not None  # the earlier miss is still in the window
+    assert turns.enabled("s", "docker") is None  # each turn is used once
+    turns.routed("s", "list my containers", "activate", "docker")
+    assert turns.enabled("s", "docker") is None  # routing chose it: nothing to learn
+    for i in range(4):
+        turns.routed("t", f"message {i}", "abstain", None)
+    assert [turns.enabled("t", "x").message for _ in range(3)] == ["message 3", "message 2", "message 1"]  # type: ignore[union-attr]
+    assert turns.enabled("t", "x") is None  # "message 0" fell out of the window
+    assert turns.enabled("unknown", "x") is None
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, model_settings: Settings) -> Iterator[TestClient]:
+    settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(CORE,), rule="fused")
+    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+        yield client
+
+
+def test_a_manual_enable_after_a_miss_teaches_the_daemon(daemon: TestClient) -> None:
+    service = daemon.app.state.service  # type: ignore[attr-defined]
+    before = daemon.post("/v1/route", json={"session": "a", "message": MISS}).json()
+    assert before["decision"] == "abstain"
+    assert daemon.post("/v1/sessions/a/enable", json={"name": "docker"}).status_code == 200
+    [entry] = service.learned.entries()
+    assert (entry.capability, entry.message, entry.previous, entry.session) == ("docker", MISS, "abstain", "a")
+    assert service.apply_learned() == 1
+    after = daemon.post("/v1/route", json={"session": "b", "message": MISS}).json()
+    assert (after["decision"], after["capability"]) == ("activate", "docker")
+    # routing got it right this time: enabling it again teaches nothing new
+    daemon.post("/v1/sessions/b/disable", json={"name": "docker"})
+    daemon.post("/v1/sessions/b/enable", json={"name": "docker"})
+    assert len(service.learned.entries()) == 1
+    # the tap itself is never modified
+    assert MISS not in (CORE / "capabilities" / "docker" / "config.toml").read_text()
+
+
+def test_learned_examples_survive_a_restart_and_the_anchor_rule_ignores_them(tmp_path: Path,
+                                                                             model_settings: Settings) -> None:
+    settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(CORE,))
+    LearnedStore.open(settings.data_dir).record(CORE, "docker", MISS, "abstain", "a")
+    best = {}
+    for rule in ("fused", "capd", "anchor"):
+        with TestClient(create_app(replace(settings, rule=rule), watch=False, warm_in_background=False)) as client:
+            result = client.post("/v1/route", json={"session": "s", "message": MISS}).json()
+            best[rule] = result["candidates"][0]["name"], result["decision"]
+    assert best["fused"] == ("docker", "activate")
+    assert best["capd"][0] == "docker"  # the learned example is one of its triggers now
+    assert best["anchor"][0] != "docker"  # the reference rule routes on the tap alone
+
+
+def test_cli_lists_exports_and_forgets(tmp_path: Path) -> None:
+    store = LearnedStore.open(tmp_path)
+    store.record(CORE, "docker", MISS, "abstain", "a")
+    store.record(CORE, "git", "undo my last save point", "mysql", "a")
+    store.close()
+    runner = CliRunner()
+    listed = runner.invoke(main, ["learned", "list", "--data-dir", str(tmp_path), "--json"])
+    assert listed.exit_code == 0 and json.loads(listed.output)["count"] == 2
+    exported = runner.invoke(main, ["learned", "export", "--data-dir", str(tmp_path), "--tap", str(CORE)])
+    suggestions = tomllib.loads(exported.output)
+    assert suggestions["docker"]["add_triggers"] == [MISS]
+    assert suggestions["git"]["file"].endswith("capabilities/git")
+    refused = runner.invoke(main, ["learned", "forget", "--data-dir", str(tmp_path)])
+    assert refused.exit_code == 2 and "--all" in refused.output
+    forgot = runner.invoke(main, ["learned", "forget", "git", "--data-dir", str(tmp_path), "--json"],
+                           env={"CAPD_PORT": "1"})  # no daemon there to reload
+    assert forgot.exit_code == 0, forgot.output
+    assert json.loads(forgot.output) == {"forgotten": 1, "daemon_reloaded": False}
+    assert [e.capability for e in LearnedStore.open(tmp_path).entries()] == ["docker"]

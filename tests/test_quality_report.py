@@ -1,0 +1,93 @@
+"""The routing-quality report (``make quality``) on taps/core with the real model: its held-out
+figures are what ``capd calibrate`` reports, absent eval sets are skipped with a line, and the
+markdown carries every section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.quality import run as quality
+from capd.calibrate import calibrate
+from capd.encoder import Encoder
+from capd.fixtures import load_fixtures, tap_fixture_files
+from capd.service import Service
+from capd.settings import Settings
+
+CORE = quality.ROOT / "taps" / "core"
+
+
+@dataclass(frozen=True)
+class Report:
+    result: dict[str, Any]
+    markdown: str
+    scratch: Path  # the run's data directories
+
+
+@pytest.fixture(scope="module")
+def report(real_encoder: Encoder, tmp_path_factory: pytest.TempPathFactory) -> Report:
+    absent = tmp_path_factory.mktemp("no-evalsets") / "evalsets"
+    scratch = tmp_path_factory.mktemp("quality")
+    result = quality.measure(["snips7", "core"], absent, feedback_sets=["core"], encoder=real_encoder,
+                             scratch=scratch, timed=20)
+    return Report(result, quality.render(result, tmp_path_factory.mktemp("results")), scratch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", quality.RULES)
+def test_held_out_figures_are_what_calibrate_reports(report: Report, rule: str, model_settings: Settings,
+                                                     real_encoder: Encoder) -> None:
+    result = report.result
+    # the report's own data directory: its vector cache and fitted heads make this quick
+    settings = replace(model_settings, taps=(CORE,), rule=rule, data_dir=report.scratch / "shared")
+    service = Service(settings, encoder=real_encoder).start()
+    try:
+        expected = calibrate(service.router, load_fixtures(tap_fixture_files(CORE)))
+    finally:
+        service.close()
+    measured = result["sets"]["core"]["rules"][rule]
+    assert measured["calibrated"]["held_out"] == expected["held_out"]
+    assert measured["calibrated"]["fit"] == expected["fit"]
+    assert {k: measured["calibrated"]["gates"][k] for k in ("top_k", "threshold", "margin")} == {
+        k: expected["recommended"][k] for k in ("top_k", "threshold", "margin")}
+    held = measured["calibrated"]["held_out"]
+    assert held["positives"] + held["nulls"] == expected["rows"]["held_out"]
+    assert measured["all_rows"]["all"]["n"] == expected["rows"]["fit"] + expected["rows"]["held_out"]
+    assert measured["default"]["gates"] == result["manifest"]["gates"][rule]
+
+
+@pytest.mark.slow
+def test_markdown_has_every_section(report: Report) -> None:
+    result, markdown = report.result, report.markdown
+    assert list(result["sets"]) == ["core"]
+    assert result["skipped"] and "snips7: skipped" in result["skipped"][0]
+    assert "- snips7: skipped" in markdown
+    before = result["sets"]["core"]["rules"]["anchor"]["calibrated"]["held_out"]
+    after = result["sets"]["core"]["rules"]["fused"]["calibrated"]["held_out"]
+    summary = next(line for line in markdown.splitlines() if line.startswith("| core | "))
+    assert f"{before['fired_right']:.3f} → {after['fired_right']:.3f}" in summary
+    assert f"{after['positives']} / {after['nulls']}" in summary
+    for label in ("**anchor, calibrated on fit part**", "**fused, calibrated on fit part**", "fit (tuned on)",
+                  "all rows (tuned on: ceiling)", "anchor, production gates", "fused, manifest default gates"):
+        assert label in markdown
+    for heading in ("## Summary", "## Learning from corrections", "## Cost of the fused rule", "## What we tried"):
+        assert heading in markdown
+    assert "not measured by this script" in markdown
+    assert result["sets"]["core"]["timing"]["fused"]["score_ms"] > 0
+
+
+@pytest.mark.slow
+def test_feedback_loop_learns_from_the_fit_part_only(report: Report) -> None:
+    result, markdown = report.result, report.markdown
+    if not result["learning_available"]:
+        assert "Not available" in markdown
+        return
+    loop = result["sets"]["core"]["feedback"]
+    fused = result["sets"]["core"]["rules"]["fused"]["calibrated"]
+    assert loop["before"] == fused["held_out"]  # the same router and gates before learning
+    assert 0 < loop["learned"] <= loop["corrected"] <= loop["routed"] == fused["fit"]["positives"]
+    assert loop["after_same_gates"]["positives"] == fused["held_out"]["positives"]
+    assert "| core | " in markdown.split("## Learning from corrections")[1]

@@ -1,0 +1,55 @@
+"""``Service.aroute`` (what ``POST /v1/route`` awaits) behaves exactly like ``Service.route``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from capd.service import Service
+from tests.conftest import SettingsFactory
+from tests.taputil import octomind_tap
+
+MESSAGES = [
+    "please run a query on the postgres database",
+    "please run a query on the postgres database",  # already active the second time
+    "read the file in my project folder",
+    "hi",  # too short: skipped, still reconciles the session
+    "<context>only a tag</context>",
+    "what a lovely afternoon for a walk by the river",
+]
+
+
+def _service(settings_factory: SettingsFactory, tmp_path: Path, name: str) -> Service:
+    settings = settings_factory(taps=(octomind_tap(tmp_path / name),), max_active=2)
+    return Service(settings, sessions=True).start()
+
+
+def test_aroute_matches_route(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    blocking, awaiting = _service(settings_factory, tmp_path, "a"), _service(settings_factory, tmp_path, "b")
+    try:
+        for session in ("s1", None):
+            for message in MESSAGES:
+                expected = blocking.route(message, session)
+                got = asyncio.run(awaiting.aroute(message, session))
+                assert got.as_dict() == expected.as_dict(), message
+                assert got.latency_ms > 0
+        def active(service: Service) -> list[tuple[str, str]]:
+            assert service.registry is not None
+            return [(a["name"], a["origin"]) for a in service.registry.get("s1").as_dict()["active"]]
+
+        assert active(awaiting) == active(blocking) == [("database-postgres", "auto"), ("filesystem-read", "auto")]
+        decisions = [line for line in awaiting.metrics.render().splitlines()
+                     if line.startswith("capd_decisions_total")]
+        assert decisions == [line for line in blocking.metrics.render().splitlines()
+                             if line.startswith("capd_decisions_total")]
+        assert any('decision="skipped"' in line for line in decisions)
+    finally:
+        blocking.close()
+        awaiting.close()
+
+
+def test_aroute_while_warming_up(settings_factory: SettingsFactory) -> None:
+    service = Service(settings_factory(), sessions=True)  # never started
+    result = asyncio.run(service.aroute("please run a query on the postgres database", "s1"))
+    assert result.decision.decision == "skipped" and "warming up" in result.decision.reason
+    assert result.plan is None
