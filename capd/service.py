@@ -188,11 +188,13 @@ class Service:
                 if gone not in names:
                     state.capabilities.pop(gone, None)
                     state.problems.pop(gone, None)
+            known = set(state.capabilities) | set(state.problems)
+            real_tap = tap.resolve()
             for directory in dirs:
-                if targets is not None and directory.name in state.capabilities | state.problems and not any(
+                if targets is not None and directory.name in known and not any(
                         t == directory or directory in t.parents or t in directory.parents for t in targets):
                     continue
-                capability, problems = load_capability(tap, directory)
+                capability, problems = load_capability(tap, directory, real_tap)
                 state.problems[directory.name] = problems
                 if capability is not None:
                     state.capabilities[directory.name] = capability
