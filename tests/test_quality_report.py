@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks.quality import run as quality
+from benchmarks.quality.report import render
 from capd.calibrate import calibrate
 from capd.encoder import Encoder
 from capd.fixtures import load_fixtures, tap_fixture_files
@@ -33,7 +34,7 @@ def report(real_encoder: Encoder, tmp_path_factory: pytest.TempPathFactory) -> R
     scratch = tmp_path_factory.mktemp("quality")
     result = quality.measure(["snips7", "core"], absent, feedback_sets=["core"], encoder=real_encoder,
                              scratch=scratch, timed=20)
-    return Report(result, quality.render(result, tmp_path_factory.mktemp("results")), scratch)
+    return Report(result, render(result, tmp_path_factory.mktemp("results")), scratch)
 
 
 @pytest.mark.slow

@@ -15,29 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.quality.run import EVALSETS, SETS, find_sets
 from capd.calibrate import grid_for, split, sweep
 from capd.evaluation import score_table
 from capd.fixtures import load_fixtures
 from capd.service import Service
 from capd.settings import load_settings
-
-ROOT = Path(__file__).resolve().parents[2]
-EVALSETS = ROOT.parent / "shared" / "evalsets"
-
-
-def sets() -> dict[str, tuple[Path, list[Path]]]:
-    """name -> (tap, fixture files): the shared sets present here, and the shipped tap."""
-    out: dict[str, tuple[Path, list[Path]]] = {}
-    if EVALSETS.is_dir():
-        for directory in sorted(p for p in EVALSETS.iterdir() if (p / "tap").is_dir()):
-            out[directory.name] = (directory / "tap", sorted(directory.glob("*.jsonl")))
-    core = ROOT / "taps" / "core"
-    out["core"] = (core, sorted((core / "fixtures").glob("*.jsonl")))
-    return out
 
 
 def main() -> None:
@@ -50,10 +36,11 @@ def main() -> None:
     k = 3 if 3 in grid.top_ks else grid.top_ks[0]
     rights, wrongs, nulls = {}, {}, {}
     with tempfile.TemporaryDirectory() as data_dir:
-        for name, (tap, files) in sets().items():
-            settings = load_settings(flags={"taps": [str(tap)], "rule": args.rule, "data_dir": data_dir})
+        for evalset in find_sets(SETS, EVALSETS)[0]:
+            name = evalset.name
+            settings = load_settings(flags={"taps": [str(evalset.tap)], "rule": args.rule, "data_dir": data_dir})
             service = Service(settings).start()
-            fixtures = load_fixtures(files)
+            fixtures = load_fixtures(evalset.fixture_files)
             fit_rows, _ = split(fixtures)
             table = score_table(service.router, fixtures, top_k=k).subset(fit_rows)
             rights[name], wrongs[name], nulls[name] = sweep(table, grid)  # no nulls: null_fpr 0

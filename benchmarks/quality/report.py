@@ -1,0 +1,190 @@
+"""Rendering of the routing-quality report (``quality.md``) from the measurements of :mod:`.run`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from benchmarks.quality.run import FEEDBACK_SETS, GOAL, LIMITS, METRICS, RESEARCH, ROOT, RULES
+
+
+def fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def delta(after: float | None, before: float | None) -> str:
+    return "—" if after is None or before is None else f"{after - before:+.3f}"
+
+
+def meets(name: str, value: float | None) -> bool | None:
+    if value is None:
+        return None
+    return value >= GOAL[name] if name in ("top1", "fired_right") else value <= GOAL[name]
+
+
+def gates_text(gates: dict[str, Any], rule: str) -> str:
+    text = f"{gates['threshold']:g} / {gates['margin']:g}"
+    return text if rule == "fused" else f"{text}, k={int(gates['top_k'])}"
+
+
+def row(label: str, gates: str, split_label: str, values: dict[str, Any]) -> str:
+    cells = " | ".join(fmt(values[m]) for m in METRICS)
+    return f"| {label} | {gates} | {split_label} | {cells} | {values['positives']}/{values['nulls']} |"
+
+
+def held_sizes(values: dict[str, Any]) -> str:
+    nulls = values["nulls"]
+    return f"{values['positives']} / {nulls}" + (f" (1 null = {1 / nulls:.3f})" if nulls else " (no nulls)")
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    lines = ["| set | held-out positives / nulls | " + " | ".join(f"{m} before → after" for m in METRICS)
+             + " | goal met (after) |", "|---|---|" + "---|" * len(METRICS) + "---|"]
+    for name, data in result["sets"].items():
+        before = data["rules"]["anchor"].get("calibrated", {}).get("held_out")
+        after = data["rules"]["fused"].get("calibrated", {}).get("held_out")
+        if before is None or after is None:
+            lines.append(f"| {name} | — | no gates within the limits on the fit part |" + " |" * len(METRICS))
+            continue
+        cells, verdicts = [], []
+        for m in METRICS:
+            verdict = meets(m, after[m])
+            verdicts.append(verdict)
+            mark = "" if verdict is None else " ✓" if verdict else " ✗"
+            cells.append(f"{fmt(before[m])} → {fmt(after[m])}{mark}")
+        met = "no" if False in verdicts else "yes" if None not in verdicts else "yes (no nulls: null_fpr untested)"
+        lines.append(f"| {name} | {held_sizes(after)} | " + " | ".join(cells) + f" | {met} |")
+    return lines
+
+
+def set_lines(name: str, data: dict[str, Any]) -> list[str]:
+    lines = [f"### {name}", "", f"{data['rows']} rows; tap `{data['tap']}`. Gates: threshold / margin "
+             "(anchor: cosine, k = top-k; fused: level K − μ_in / log-odds gap).", "",
+             "| row | gates | part | top1 | fired_right | fired_wrong | null_fpr | positives/nulls |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rule in RULES:
+        r = data["rules"][rule]
+        label = "production" if rule == "anchor" else "manifest default"
+        lines.append(row(f"{rule}, {label} gates", gates_text(r["default"]["gates"], rule), "held-out",
+                         r["default"]["held_out"]))
+        if "calibrated" in r:
+            g = gates_text(r["calibrated"]["gates"], rule)
+            lines.append(row(f"**{rule}, calibrated on fit part**", g, "**held-out**", r["calibrated"]["held_out"]))
+            lines.append(row(f"{rule}, calibrated on fit part", g, "fit (tuned on)", r["calibrated"]["fit"]))
+        else:
+            lines.append(f"| {rule}, calibrated | no gates within the limits on the fit part | | | | | | |")
+        if "all_rows" in r:
+            lines.append(row(f"{rule}, best within limits on all rows", gates_text(r["all_rows"]["gates"], rule),
+                             "all rows (tuned on: ceiling)", r["all_rows"]["all"]))
+    return [*lines, ""]
+
+
+def manifest_lines(manifest: dict[str, Any]) -> list[str]:
+    gates = manifest["gates"]
+    lines = [f"Default gates from the model manifest `{os.path.relpath(manifest['path'], ROOT)}` (what a tap without "
+             f"`capd.toml` gets): anchor {gates_text(gates['anchor'], 'anchor')} (the anchor's production gates), "
+             f"fused {gates_text(gates['fused'], 'fused')}."]
+    if manifest["fused_note"]:
+        lines.append(f"The manifest says of the fused defaults: *{manifest['fused_note']}*")
+    return [*lines, ""]
+
+
+def feedback_lines(result: dict[str, Any]) -> list[str]:
+    runs = {n: d["feedback"] for n, d in result["sets"].items() if "feedback" in d}
+    if not result["learning_available"]:
+        return ["Not available: this build of capd has no `Service.apply_learned` (learning from corrections).", ""]
+    if not runs:
+        return [f"Not run: none of {', '.join(FEEDBACK_SETS)} was in this run.", ""]
+    lines = ["For each fit-part positive: route it in its own session with the fused rule at the calibrated gates; "
+             "if it did not activate an expected capability, enable the expected one by hand "
+             "(`registry.activate(..., \"manual\")`); then `apply_learned()` and score the **held-out** part again. "
+             "The held-out messages are never corrected. (b) refits the gates on the fit part, whose misses are now "
+             "examples — so those gates are tuned on memorised rows.", "",
+             "| set | routed / corrected / learned | held-out | gates | top1 | fired_right | fired_wrong | null_fpr |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, f in runs.items():
+        counts = f"{f['routed']} / {f['corrected']} / {f['learned']} ({f['seconds']} s)"
+        variants = [("before", f["gates"], f["before"]), ("after, same gates (a)", f["gates"], f["after_same_gates"])]
+        if "after_refit" in f:
+            variants.append(("after, gates refitted on fit (b)", f["refit_gates"], f["after_refit"]))
+        for label, gates, values in variants:
+            cells = " | ".join(fmt(values[m]) for m in METRICS)
+            lines.append(f"| {name} | {counts} | {label} | {gates_text(gates, 'fused')} | {cells} |")
+            counts = ""
+        for label, key in (("gain (a) − before", "after_same_gates"), ("gain (b) − before", "after_refit")):
+            if key in f:
+                deltas = " | ".join(delta(f[key][m], f["before"][m]) for m in METRICS)
+                lines.append(f"| {name} | | {label} | | {deltas} |")
+    return [*lines, ""]
+
+
+def timing_lines(result: dict[str, Any]) -> list[str]:
+    lines = ["One message at a time, p50 over up to 200 of the set's messages. *score* = scoring an "
+             "already-embedded message (anchor: `index.named_scores`; fused: `router.fused_scores`); "
+             "*encode* = the bare ONNX encoder and `service.encoder` (micro-batcher) on one message.", "",
+             "| set | capabilities | fused examples | encode ms | service.encoder ms | anchor score ms | "
+             "fused score ms | fused route / bare encode |", "|---|---|---|---|---|---|---|---|"]
+    for name, data in result["sets"].items():
+        t, rules = data["timing"], data["rules"]
+        fused, encode = t["fused"]["score_ms"], t["fused"]["encode_ms"]
+        lines.append(f"| {name} | {rules['fused']['capabilities']} | {rules['fused']['examples']} | {encode:.2f} | "
+                     f"{t['fused']['service_encode_ms']:.2f} | {t['anchor']['score_ms']:.3f} | {fused:.3f} | "
+                     f"{(encode + fused) / encode:.2f}× |")
+    return [*lines, ""]
+
+
+def research_lines(out: Path) -> list[str]:
+    """The ablation table and the list of what failed, quoted verbatim from the research notes."""
+    link = os.path.relpath(RESEARCH, out)
+    if not RESEARCH.is_file():
+        return [f"(The research notes `{link}` are not in this checkout.)", ""]
+    text = RESEARCH.read_text(encoding="utf-8").splitlines()
+
+    def section(heading: str) -> list[str]:
+        start = next((i for i, line in enumerate(text) if line.startswith(heading)), None)
+        if start is None:
+            return []
+        body = []
+        for line in text[start + 1:]:
+            if line.startswith("#") or (body and not line.strip()):
+                break
+            if line.strip():
+                body.append(line)
+        return body
+
+    return [f"**Research figures, quoted from [`research_results.md`]({link}); not measured by this script.** "
+            "They were produced while designing the fused rule (held-out = the same split; gates fitted on the fit "
+            "part), including variants that capd does not ship, with research code rather than capd itself — where a "
+            "research row and a measured row above disagree (e.g. anchor, calibrated), the measured row is current.",
+            "",
+            "Ablation (held-out fired_right / fired_wrong / null_fpr; top1):", "",
+            *section("# Ablation / ideas"), "", "What failed (from the same file):", "",
+            *section("# What failed"), ""]
+
+
+def render(result: dict[str, Any], out: Path) -> str:
+    lines = [
+        "# Routing quality", "",
+        f"Generated by `{result['command']}` (`make quality`, also part of `make bench`) on "
+        f"{result['generated']}, {result['machine']}, in {result['seconds']} s (load {result['load_before']} → "
+        f"{result['load_after']}). Model `{result['model']}`. Every number below except the quoted research "
+        "section is computed by this run.", "",
+        "Fit / held-out split: the one `capd calibrate` uses (`int(sha256(message)[:8], 16) % 1000 < 300` is "
+        f"held out). Gates are fitted on the fit part with the limits null_fpr ≤ {LIMITS['max_null_fpr']} and "
+        f"fired_wrong ≤ {LIMITS['max_wrong']}. **Headline = held-out.** Rows marked *tuned on* are measured on the "
+        "rows the gates were chosen on. The `capd` rule scores exactly like `anchor` (it differs only in "
+        "session semantics), so it is not shown separately.", "",
+        *(f"- {note}" for note in result["skipped"]), *([""] if result["skipped"] else []),
+        "## Summary: before (anchor, calibrated) → after (fused, calibrated), held-out", "",
+        f"Goal per set: top1 ≥ {GOAL['top1']}, fired_right ≥ {GOAL['fired_right']} with null_fpr ≤ "
+        f"{GOAL['null_fpr']} and fired_wrong ≤ {GOAL['fired_wrong']}; ✓/✗ mark the *after* value. One held-out "
+        "null is 1/n of null_fpr, so small sets move in large steps.", "",
+        *summary_lines(result), "",
+        "## Per set", "", *manifest_lines(result["manifest"]),
+        *(line for name, data in result["sets"].items() for line in set_lines(name, data)),
+        "## Learning from corrections (simulated feedback loop)", "", *feedback_lines(result),
+        "## Cost of the fused rule", "", *timing_lines(result),
+        "## What we tried", "", *research_lines(out),
+    ]
+    return "\n".join(lines)
