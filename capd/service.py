@@ -9,6 +9,7 @@ the lock; the swap itself only moves cached vectors into the index.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Encoder, Vectors, open_encoder
 from capd.errors import StateError, UnknownCapability
 from capd.fused import FusedHead, build_head, head_key
-from capd.index import SyncReport, TriggerIndex
+from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import Corrections, LearnedStore
 from capd.metrics import Metrics
 from capd.models import manifest_for
@@ -36,6 +37,7 @@ from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
 
+OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
 LEARN_DELAY = 1.0  # seconds between a recorded correction and routing with it (corrections come in bursts)
 
 
@@ -324,7 +326,13 @@ class Service:
             return self._routed(prepared, session, started)
         snapshot, text = prepared
         vector = (await aembed(snapshot.router.encoder, [text]))[0]
-        return self._routed(self._decide(snapshot, text, vector, session), session, started)
+        if snapshot.router.index.trigger_count > OFFLOAD_TRIGGERS:
+            # Scoring a large index takes milliseconds of numpy (GIL released): in a thread it
+            # overlaps other requests' encoding instead of stalling the event loop.
+            result = await asyncio.to_thread(self._decide, snapshot, text, vector, session)
+        else:
+            result = self._decide(snapshot, text, vector, session)
+        return self._routed(result, session, started)
 
     def _prepare(self, message: str, session: str | None) -> tuple[Snapshot, str] | RouteResult:
         """The snapshot and cleaned text to route, or the result when there is nothing to encode."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from capd import service as service_module
 from capd.service import Service
 from tests.conftest import SettingsFactory
 from tests.taputil import octomind_tap
@@ -24,7 +27,11 @@ def _service(settings_factory: SettingsFactory, tmp_path: Path, name: str) -> Se
     return Service(settings, sessions=True).start()
 
 
-def test_aroute_matches_route(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+@pytest.mark.parametrize("offload", [False, True], ids=["on-loop", "in-thread"])
+def test_aroute_matches_route(settings_factory: SettingsFactory, tmp_path: Path, offload: bool,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if offload:  # what a large index does: score in a worker thread
+        monkeypatch.setattr(service_module, "OFFLOAD_TRIGGERS", 0)
     blocking, awaiting = _service(settings_factory, tmp_path, "a"), _service(settings_factory, tmp_path, "b")
     try:
         for session in ("s1", None):
