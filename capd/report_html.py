@@ -84,10 +84,12 @@ def render(result: dict[str, Any], table: ScoreTable, outcome: Outcome, title: s
     }
     threshold = result.get("threshold")
     margin = result.get("margin")
+    fused = result.get("rule") == "fused"  # level and log-odds gap, not cosines
+    score_range, margin_range = ((-0.6, 0.4), (0.0, 6.0)) if fused else ((-0.1, 1.0), (0.0, 0.5))
     scores = _histogram("Best score per message", {k: outcome.top1[m] for k, m in groups.items()},
-                        threshold if isinstance(threshold, float) else None, "threshold", -0.1, 1.0)
+                        threshold if isinstance(threshold, float) else None, "threshold", *score_range)
     margins = _histogram("Margin between best and runner-up", {k: outcome.margin[m] for k, m in groups.items()},
-                         margin if isinstance(margin, float) else None, "margin", 0.0, 0.5)
+                         margin if isinstance(margin, float) else None, "margin", *margin_range)
     headline = ["top1", "fired_right", "fired_wrong", "null_fpr", "n", "positives", "nulls"]
     metric_rows = "".join(f"<tr><th>{k}</th><td>{_metric(result.get(k))}</td></tr>" for k in headline)
     kinds = "".join(f"<tr><td>{escape(kind)}</td><td>{v['n']}</td><td>{_metric(v['accuracy'])}</td></tr>"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,11 @@ import pytest
 
 from capd.calibrate import calibrate, write_gates
 from capd.catalog import Capability
-from capd.evaluation import score_table
+from capd.evaluation import evaluate, score_table
 from capd.fixtures import load_fixtures
 from capd.fused import Lexicon, fit_head, in_class_similarity, words
 from capd.models import load_manifests, manifest_for
+from capd.report_html import render
 from capd.router import Router, example_texts
 from capd.service import Service
 from capd.settings import Settings, default_taps
@@ -145,3 +147,11 @@ def test_manifest_carries_fused_gates(model_settings: Settings) -> None:
     manifest = load_manifests(model_settings.models_dir)["all-minilm-l6-v2"]
     assert manifest.gates_for("fused") == {"threshold": 0.01, "margin": 0.0, "top_k": 3}
     assert manifest.gates_for("anchor") == manifest.gates
+
+
+def test_eval_and_html_report_on_the_fused_scale(fused_core: Service, core_fixtures: list[Any]) -> None:
+    result, table, outcome = evaluate(fused_core.router, core_fixtures)
+    assert result["rule"] == "fused" and result["top1"] >= 0.95 and table.levels is not None
+    page = render(result, table, outcome, "core, fused")
+    edges = [float(e) for e in re.findall(r"in \[(-?[0-9.]+), ", page)]
+    assert "rule fused" in page and min(edges) < -0.1  # drawn on the level scale (a cosine plot starts at -0.1)
