@@ -110,6 +110,18 @@ class FileErrorOut(_Out):
     reason: str
 
 
+class TuningOut(_Out):
+    """``tune = true``: the tuned model in use and what the daemon is doing about it."""
+
+    enabled: bool
+    status: Literal["off", "untuned", "tuning", "ready", "stale", "failed"]
+    key: str | None
+    wanted: str | None
+    model: str | None
+    error: str | None
+    seconds: float | None
+
+
 class HealthOut(_Out):
     status: Literal["ok", "starting", "error"]
     ready: bool
@@ -120,6 +132,7 @@ class HealthOut(_Out):
     cached: int
     errors: list[FileErrorOut]
     startup_error: str | None
+    tuning: TuningOut
 
 
 class CapabilityOut(_Out):

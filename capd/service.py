@@ -10,7 +10,9 @@ the lock; the swap itself only moves cached vectors into the index.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,19 +28,22 @@ from capd.fused import FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import Corrections, LearnedStore
 from capd.metrics import Metrics
-from capd.models import manifest_for
+from capd.models import manifest_for, resolve
 from capd.router import Decision, GateBook, Gates, Router, build_gatebook, example_catalog
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
 from capd.taps import TapLoad, assemble, capability_dirs, load_capability, load_tap_config
 from capd.text import clean_message
+from capd.tuning import RECIPE, Recipe, groups_for, is_tuned, prune, run_child, tuned_dir, tuning_key
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
 
 OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
 LEARN_DELAY = 1.0  # seconds between a recorded correction and routing with it (corrections come in bursts)
+TUNE_DELAY = 30.0  # seconds of quiet after a tap edit before the daemon retunes (edits come in bursts)
+RETIRE_DELAY = 30.0  # seconds an encoder replaced by a tuned one keeps serving requests already holding it
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,22 @@ class RouteResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.decision.as_dict(), "plan": self.plan.as_dict() if self.plan else None}
+
+
+@dataclass
+class Tuning:
+    """What ``tune = true`` is doing (shown in health as ``tuning``)."""
+
+    enabled: bool = False
+    status: str = "off"  # off | untuned | tuning | ready | stale | failed
+    key: str | None = None  # the tuned model in use
+    wanted: str | None = None  # the key the current catalog asks for
+    model: str | None = None
+    error: str | None = None
+    seconds: float | None = None  # the last tuning run's training time
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -99,6 +120,13 @@ class Service:
         self.ready_after: float | None = None
         self.startup_error: str | None = None
         self.state_error: str | None = None  # why session state is not stored on disk, if it is not
+        self.tuning = Tuning(enabled=settings.tune and settings.model != "hash")
+        self._cache: VectorCache | None = None
+        self._tune_timer: threading.Timer | None = None
+        self._tune_thread: threading.Thread | None = None
+        self._tune_child: list[subprocess.Popen[bytes]] = []
+        self._closed = False
+        self.tune_recipe: Recipe = RECIPE  # tests use a shorter one
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -111,7 +139,8 @@ class Service:
         try:
             base = self._encoder_override or open_encoder(self.settings)
             self.encoder = MicroBatcher(base)
-            self.embedder = CachedEmbedder(self.encoder, self._open_cache())
+            self._cache = self._open_cache()
+            self.embedder = CachedEmbedder(self.encoder, self._cache)
             self.index = TriggerIndex(self.encoder.dim)
             if self._want_sessions:
                 store = self._open_sessions()
@@ -122,6 +151,8 @@ class Service:
             if self._want_learning:
                 self.learned = LearnedStore.open(self.settings.data_dir)
             self.reload()
+            if self.tuning.enabled:
+                self._ensure_tuned(background=self._want_sessions)
         except Exception as exc:
             self.startup_error = str(exc)
             raise
@@ -143,9 +174,13 @@ class Service:
             return SessionStore(path, memory=True)
 
     def close(self) -> None:
-        timer = self._learn_timer
-        if timer is not None:
-            timer.cancel()
+        self._closed = True
+        for timer in (self._learn_timer, self._tune_timer):
+            if timer is not None:
+                timer.cancel()
+        for child in self._tune_child:
+            if child.poll() is None:
+                child.kill()
         if isinstance(self.encoder, MicroBatcher):
             self.encoder.close()
         if self.learned is not None:
@@ -216,6 +251,8 @@ class Service:
             catalog = self._load_taps(changed)
             report = self._publish(catalog)
             self.counters.reloads += 1
+            if self.tuning.enabled and self.ready_after is not None and self._want_sessions:
+                self._schedule_tuning()
         for problem in catalog.errors:
             log.error("tap error: %s", problem)
         return {"capabilities": len(catalog), "added": list(report.added), "removed": list(report.removed),
@@ -235,6 +272,89 @@ class Service:
                         min_chars=self.settings.min_chars, head=head)
         self._snapshot = Snapshot(catalog, router)
         return report
+
+    # -- tuning (capd/tuning.py) ------------------------------------------------------------
+
+    def _ensure_tuned(self, background: bool) -> None:
+        """Route with the tuned model for the current catalog: reuse it if it exists, else tune
+        (in a background thread for the daemon, which keeps serving meanwhile; else blocking)."""
+        catalog = self.catalog_now()
+        groups = groups_for(catalog)
+        base = resolve(manifest_for(self.settings), self.settings.data_dir)
+        key = tuning_key(base.weights_sha256, groups, self.tune_recipe)
+        self.tuning.wanted = key
+        if key == self.tuning.key:
+            self.tuning.status = "ready"
+            return
+        path = tuned_dir(self.settings.data_dir, key)
+        if is_tuned(path):
+            self._use_tuned(path, key)
+            return
+        if len(groups) < 2:
+            self.tuning.status = "untuned" if self.tuning.key is None else "stale"
+            self.tuning.error = "nothing to tune on: fewer than two capabilities with two or more examples"
+            return
+        if not background:
+            self._tune(base.directory, groups, path, key)
+            return
+        running = self._tune_thread
+        if running is not None and running.is_alive() and running is not threading.current_thread():
+            return  # it re-checks the catalog when it finishes
+        self._tune_thread = threading.Thread(target=self._tune_in_background, args=(base.directory, groups, path, key),
+                                             name="capd-tune", daemon=True)
+        self._tune_thread.start()
+
+    def _tune(self, base: Path, groups: list[tuple[str, list[str]]], path: Path, key: str) -> None:
+        self.tuning.status = "tuning"
+        log.info("tuning the model on %d capabilities (%d examples) into %s", len(groups),
+                 sum(len(t) for _, t in groups), path)
+        try:
+            summary = run_child(base, groups, path, self.tune_recipe, started=self._tune_child)
+        except Exception as exc:
+            self.tuning.status, self.tuning.error = "failed", str(exc)
+            log.error("%s", exc)
+            return
+        self.tuning.seconds = summary.get("seconds")
+        if not self._closed:
+            self._use_tuned(path, key)
+
+    def _tune_in_background(self, base: Path, groups: list[tuple[str, list[str]]], path: Path, key: str) -> None:
+        self._tune(base, groups, path, key)
+        if not self._closed and self.tuning.status in ("ready", "stale"):
+            self._ensure_tuned(background=True)  # the taps may have changed while it ran
+
+    def _schedule_tuning(self) -> None:
+        if self._tune_timer is not None:
+            self._tune_timer.cancel()
+        self._tune_timer = threading.Timer(TUNE_DELAY, self._ensure_tuned, kwargs={"background": True})
+        self._tune_timer.daemon = True
+        self._tune_timer.start()
+
+    def _use_tuned(self, path: Path, key: str) -> None:
+        """Swap in the tuned model: embed every example with it, then publish (under the lock)."""
+        try:
+            tuned = open_encoder(dataclasses.replace(self.settings, model=str(path)))
+        except Exception as exc:
+            self.tuning.status, self.tuning.error = "failed", f"cannot load the tuned model {path}: {exc}"
+            log.error("%s", self.tuning.error)
+            return
+        with self._lock:
+            if self._closed:
+                return
+            assert self._cache is not None
+            old = self.encoder
+            self.encoder = MicroBatcher(tuned)
+            self.embedder = CachedEmbedder(self.encoder, self._cache)
+            self.index = TriggerIndex(self.encoder.dim)
+            self._publish(self.catalog_now())
+            self.tuning.key, self.tuning.model, self.tuning.error = key, str(path), None
+            self.tuning.status = "ready" if key == self.tuning.wanted else "stale"
+        log.info("routing with the tuned model %s", path)
+        prune(self.settings.data_dir, key)
+        if isinstance(old, MicroBatcher):  # requests already holding the old router finish first
+            retire = threading.Timer(RETIRE_DELAY, old.close)
+            retire.daemon = True
+            retire.start()
 
     # -- learning from corrections ---------------------------------------------------------
 
@@ -296,7 +416,14 @@ class Service:
                      "top_k": self.settings.top_k}
         gates = manifest.gates_for(rule)
         model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]))
-        return build_gatebook(model_gates, catalog, overrides, model=manifest.name, rule=rule)
+        return build_gatebook(model_gates, catalog, overrides, model=self.gate_model, rule=rule)
+
+    @property
+    def gate_model(self) -> str:
+        """The model name gates are recorded for in ``capd.toml``: a tuned model has its own scale,
+        so its gates are kept apart (``<manifest>+tuned``) from the untuned model's."""
+        name = manifest_for(self.settings).name
+        return f"{name}+tuned" if self.tuning.key is not None else name
 
     @property
     def router(self) -> Router:
@@ -411,5 +538,6 @@ class Service:
             "errors": [{"file": p.file, "line": p.line, "reason": p.reason} for p in catalog.errors]
             + self._state_errors(),
             "startup_error": self.startup_error,
+            "tuning": self.tuning.as_dict(),
         }
 

@@ -82,6 +82,7 @@ class Settings:
     uds: Path | None = None
     log_level: str = "info"
     learn: bool = True  # the daemon learns from corrections (capd/learned.py)
+    tune: bool = False  # route with a copy of the model tuned on the taps' examples (capd/tuning.py)
     config_file: Path | None = None
 
     def public_dict(self) -> dict[str, Any]:
@@ -214,6 +215,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "uds": _as_path,
     "log_level": _choice(("debug", "info", "warning", "error")),
     "learn": _as_bool,
+    "tune": _as_bool,
 }
 
 # Environment variable -> setting. DESIGN.md fixes CAPD_TAPS, HOST, PORT, DATA_DIR, CONFIG, MODEL, TOKEN.

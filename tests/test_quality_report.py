@@ -33,7 +33,7 @@ def report(real_encoder: Encoder, tmp_path_factory: pytest.TempPathFactory) -> R
     absent = tmp_path_factory.mktemp("no-evalsets") / "evalsets"
     scratch = tmp_path_factory.mktemp("quality")
     result = quality.measure(["snips7", "core"], absent, feedback_sets=["core"], encoder=real_encoder,
-                             scratch=scratch, timed=20)
+                             scratch=scratch, timed=20, tune=False)
     return Report(result, render(result, tmp_path_factory.mktemp("results")), scratch)
 
 

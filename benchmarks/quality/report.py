@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from benchmarks.quality.run import FEEDBACK_SETS, GOAL, LIMITS, METRICS, RESEARCH, ROOT, RULES
+from benchmarks.quality.run import FEEDBACK_SETS, GOAL, LIMITS, METRICS, RESEARCH, ROOT, RULES, TUNED
 
 
 def fmt(value: float | None) -> str:
@@ -25,7 +25,7 @@ def meets(name: str, value: float | None) -> bool | None:
 
 def gates_text(gates: dict[str, Any], rule: str) -> str:
     text = f"{gates['threshold']:g} / {gates['margin']:g}"
-    return text if rule == "fused" else f"{text}, k={int(gates['top_k'])}"
+    return text if rule.startswith("fused") else f"{text}, k={int(gates['top_k'])}"
 
 
 def row(label: str, gates: str, split_label: str, values: dict[str, Any]) -> str:
@@ -38,12 +38,12 @@ def held_sizes(values: dict[str, Any]) -> str:
     return f"{values['positives']} / {nulls}" + (f" (1 null = {1 / nulls:.3f})" if nulls else " (no nulls)")
 
 
-def summary_lines(result: dict[str, Any]) -> list[str]:
+def summary_lines(result: dict[str, Any], after_rule: str = "fused") -> list[str]:
     lines = ["| set | held-out positives / nulls | " + " | ".join(f"{m} before → after" for m in METRICS)
              + " | goal met (after) |", "|---|---|" + "---|" * len(METRICS) + "---|"]
     for name, data in result["sets"].items():
         before = data["rules"]["anchor"].get("calibrated", {}).get("held_out")
-        after = data["rules"]["fused"].get("calibrated", {}).get("held_out")
+        after = data["rules"].get(after_rule, {}).get("calibrated", {}).get("held_out")
         if before is None or after is None:
             lines.append(f"| {name} | — | no gates within the limits on the fit part |" + " |" * len(METRICS))
             continue
@@ -63,9 +63,9 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
              "(anchor: cosine, k = top-k; fused: level K − μ_in / log-odds gap).", "",
              "| row | gates | part | top1 | fired_right | fired_wrong | null_fpr | positives/nulls |",
              "|---|---|---|---|---|---|---|---|"]
-    for rule in RULES:
+    for rule in (r for r in (*RULES, *TUNED) if r in data["rules"]):
         r = data["rules"][rule]
-        label = "production" if rule == "anchor" else "manifest default"
+        label = "production" if rule.startswith("anchor") else "manifest default"
         lines.append(row(f"{rule}, {label} gates", gates_text(r["default"]["gates"], rule), "held-out",
                          r["default"]["held_out"]))
         if "calibrated" in r:
@@ -163,6 +163,33 @@ def research_lines(out: Path) -> list[str]:
             *section("# What failed"), ""]
 
 
+def tuned_lines(result: dict[str, Any]) -> list[str]:
+    """The tuned model: before (anchor, untuned) → after (fused, tuned), and what tuning cost."""
+    tuned = {n: d for n, d in result["sets"].items() if any(r in d["rules"] for r in TUNED)}
+    if not tuned:
+        return ["Not run (`--no-tune`, or no set could be tuned).", ""]
+    lines = ["`tune = true` (`capd/tuning.py`): a copy of the model fine-tuned on each tap's own examples "
+             "(triggers, description, name; never fixture rows), cached by the tap's content hash. Gates "
+             "calibrated on the fit part as above; held-out. Before = anchor with the untuned model.", "",
+             *summary_lines({"sets": tuned}, "fused+tuned"), "",
+             "Held-out fired_right / top1 per rule, untuned → tuned:", "",
+             "| set | anchor fired_right | fused fired_right | anchor top1 | fused top1 | tuning (steps, train s) |",
+             "|---|---|---|---|---|---|"]
+    for name, data in tuned.items():
+        rules = data["rules"]
+
+        def pair(rule: str, metric: str, rules: dict[str, Any] = rules) -> str:
+            before = rules.get(rule, {}).get("calibrated", {}).get("held_out", {}).get(metric)
+            after = rules.get(f"{rule}+tuned", {}).get("calibrated", {}).get("held_out", {}).get(metric)
+            return f"{fmt(before)} → {fmt(after)}"
+
+        trained = data.get("tuning", {}).get("trained", {})
+        cost = f"{trained.get('steps', '—')}, {trained.get('seconds', '—')}"
+        lines.append(f"| {name} | {pair('anchor', 'fired_right')} | {pair('fused', 'fired_right')} | "
+                     f"{pair('anchor', 'top1')} | {pair('fused', 'top1')} | {cost} |")
+    return [*lines, ""]
+
+
 def render(result: dict[str, Any], out: Path) -> str:
     lines = [
         "# Routing quality", "",
@@ -181,6 +208,8 @@ def render(result: dict[str, Any], out: Path) -> str:
         f"{GOAL['null_fpr']} and fired_wrong ≤ {GOAL['fired_wrong']}; ✓/✗ mark the *after* value. One held-out "
         "null is 1/n of null_fpr, so small sets move in large steps.", "",
         *summary_lines(result), "",
+        "## Tuned model: before (anchor, calibrated) → after (fused + tuned, calibrated), held-out", "",
+        *tuned_lines(result),
         "## Per set", "", *manifest_lines(result["manifest"]),
         *(line for name, data in result["sets"].items() for line in set_lines(name, data)),
         "## Learning from corrections (simulated feedback loop)", "", *feedback_lines(result),

@@ -49,6 +49,7 @@ from capd.models import manifest_for
 from capd.service import Service
 from capd.settings import Settings
 from capd.text import clean_message
+from capd.tuning import MARKER
 
 ROOT = Path(__file__).resolve().parents[2]
 EVALSETS = ROOT.parent / "shared" / "evalsets"
@@ -59,6 +60,7 @@ SHARED_SETS = ("clinc150_intent", "clinc150_domain", "hwu64_scenario_oos", "snip
 SETS = (*SHARED_SETS, "core")
 FEEDBACK_SETS = ("clinc150_intent", "hwu64_scenario_oos", "snips7")
 RULES = ("anchor", "fused")
+TUNED = tuple(f"{rule}+tuned" for rule in RULES)  # the same rules with `tune = true` (capd/tuning.py)
 LIMITS = {"max_null_fpr": 0.05, "max_wrong": 0.03}
 GOAL = {"top1": 0.90, "fired_right": 0.80, "fired_wrong": 0.03, "null_fpr": 0.05}  # >=, >=, <=, <=
 METRICS = ("top1", "fired_right", "fired_wrong", "null_fpr")
@@ -96,31 +98,37 @@ class Bench:
     encoder: Encoder
     scratch: Path
     defaults: dict[str, dict[str, float]]
-    memo: dict[str, np.ndarray] = field(default_factory=dict)
+    memo: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     services: int = 0
     timed: int = TIMED_MESSAGES
+    tuned_root: Path | None = None  # where tuned models persist between runs (None: in scratch)
 
-    def service(self, tap: Path, rule: str, sessions: bool = False, gates: Point | None = None) -> Service:
+    def service(self, tap: Path, rule: str, sessions: bool = False, gates: Point | None = None,
+                tuned_as: str | None = None) -> Service:
         """A started service on one tap. Services without sessions share the run's data directory
         (only the vector cache and fused heads live there); a service with sessions (and learned
-        corrections) gets a directory of its own."""
+        corrections) gets a directory of its own; ``tuned_as`` (a set name) turns on tuning, with
+        that set's data directory under :attr:`tuned_root` (so a rerun reuses its tuned model)."""
         self.services += 1
         data_dir = self.scratch / (f"sessions-{self.services}" if sessions else "shared")
+        if tuned_as is not None:
+            data_dir = (self.tuned_root or self.scratch / "tuned") / tuned_as
         if sessions and (self.scratch / "shared" / "heads").is_dir():  # fitted heads are keyed by content
             shutil.copytree(self.scratch / "shared" / "heads", data_dir / "heads")
         settings = Settings(taps=(tap,), rule=rule, data_dir=data_dir, threshold=gates.threshold if gates else None,
-                            margin=gates.margin if gates else None)
+                            margin=gates.margin if gates else None, tune=tuned_as is not None)
         return Service(settings, encoder=self.encoder, sessions=sessions).start()
 
     def vectors(self, service: Service, fixtures: Sequence[Fixture]) -> np.ndarray:
         router = service.router
+        model = router.encoder.model_id
         texts = [clean_message(f.message, router.min_chars)[0] for f in fixtures]
-        if not any(t in self.memo for t in texts):  # the same call as `capd calibrate`, so the same vectors
-            self.memo.update(zip(texts, embed_fixtures(router, fixtures), strict=True))
-        missing = [t for t in dict.fromkeys(texts) if t not in self.memo]
+        if not any((model, t) in self.memo for t in texts):  # the call `capd calibrate` makes: the same vectors
+            self.memo.update(zip([(model, t) for t in texts], embed_fixtures(router, fixtures), strict=True))
+        missing = [t for t in dict.fromkeys(texts) if (model, t) not in self.memo]
         if missing:
-            self.memo.update(zip(missing, router.encoder.embed(missing), strict=True))
-        return np.stack([self.memo[t] for t in texts])
+            self.memo.update(zip([(model, t) for t in missing], router.encoder.embed(missing), strict=True))
+        return np.stack([self.memo[model, t] for t in texts])
 
 
 def gated(table: ScoreTable, rows: np.ndarray | None, threshold: float, margin: float) -> dict[str, Any]:
@@ -234,7 +242,7 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
         service.close()
 
 
-def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool) -> dict[str, Any]:
+def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = True) -> dict[str, Any]:
     fixtures = load_fixtures(evalset.fixture_files)
     result: dict[str, Any] = {"tap": str(evalset.tap), "fixtures": [str(p) for p in evalset.fixture_files],
                               "rows": len(fixtures), "rules": {}, "timing": {}}
@@ -247,6 +255,18 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool) -> dict[str, An
             result["timing"][rule] = timing(bench, service, fixtures, vectors)
         finally:
             service.close()
+    for rule in RULES if tune else ():
+        print(f"   {rule} with the tuned model", flush=True)
+        service = bench.service(evalset.tap, rule, tuned_as=evalset.name)
+        try:
+            if service.tuning.status != "ready":
+                result["tuning"] = service.tuning.as_dict()
+                continue
+            tuned = bench.vectors(service, fixtures)
+            result["rules"][f"{rule}+tuned"] = evaluate_rule(service, fixtures, tuned, bench.defaults[rule])
+            result["tuning"] = {**service.tuning.as_dict(), "trained": tuning_summary(service)}
+        finally:
+            service.close()
     calibrated = result["rules"]["fused"].get("calibrated")
     if with_feedback and vectors is not None and calibrated is not None:
         print(f"   feedback loop on {evalset.name}", flush=True)
@@ -254,10 +274,18 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool) -> dict[str, An
     return result
 
 
+def tuning_summary(service: Service) -> dict[str, Any]:
+    """What the tuning child recorded (steps, seconds, loss) for the tuned model in use."""
+    path = Path(service.tuning.model or "") / MARKER
+    summary: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return summary
+
+
 def measure(names: Sequence[str], evalsets: Path, feedback_sets: Sequence[str], encoder: Encoder | None = None,
-            scratch: Path | None = None, timed: int = TIMED_MESSAGES) -> dict[str, Any]:
+            scratch: Path | None = None, timed: int = TIMED_MESSAGES, tune: bool = True) -> dict[str, Any]:
     """Everything the report shows, as a JSON-ready dict. Tests pass an ``encoder`` to reuse, a
-    ``scratch`` directory to keep (else a temporary one is removed) and fewer ``timed`` messages."""
+    ``scratch`` directory to keep (else a temporary one is removed), fewer ``timed`` messages,
+    and ``tune=False`` to leave out the tuned model (minutes of training per set)."""
     began = time.perf_counter()
     found, skipped = find_sets(names, evalsets)
     learning = hasattr(Service, "apply_learned")
@@ -273,11 +301,13 @@ def measure(names: Sequence[str], evalsets: Path, feedback_sets: Sequence[str], 
     result["model"] = encoder.model_id
     result["manifest"] = manifest_info()
     with tempfile.TemporaryDirectory(prefix="capd-quality-") as temporary:
-        bench = Bench(encoder, scratch or Path(temporary), result["manifest"]["gates"], timed=timed)
+        bench = Bench(encoder, scratch or Path(temporary), result["manifest"]["gates"], timed=timed,
+                      tuned_root=None if scratch else CACHE / "tuned")
         for evalset in found:
             print(f"== {evalset.name}", flush=True)
             started = time.perf_counter()
-            result["sets"][evalset.name] = run_set(bench, evalset, learning and evalset.name in feedback_sets)
+            result["sets"][evalset.name] = run_set(bench, evalset, learning and evalset.name in feedback_sets,
+                                                   tune)
             result["sets"][evalset.name]["seconds"] = round(time.perf_counter() - started, 1)
     result["load_after"] = [round(x, 2) for x in os.getloadavg()]
     result["seconds"] = round(time.perf_counter() - began, 1)
@@ -293,12 +323,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where quality.json and quality.md go")
     parser.add_argument("--evalsets", type=Path, default=EVALSETS, help="the shared eval sets folder")
     parser.add_argument("--feedback-sets", default=",".join(FEEDBACK_SETS), help="sets to run the feedback loop on")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="leave out the tuned model (tuning takes 0.2-4 minutes per set, once: it is cached "
+                             "in benchmarks/.cache/quality/tuned)")
     args = parser.parse_args(argv if argv is not None else [])
     names = [s.strip() for s in args.sets.split(",") if s.strip()]
     unknown = [n for n in names if n not in SETS]
     if unknown:
         parser.error(f"unknown set(s) {', '.join(unknown)}; choose from {', '.join(SETS)}")
-    result = measure(names, args.evalsets, [s.strip() for s in args.feedback_sets.split(",") if s.strip()])
+    result = measure(names, args.evalsets, [s.strip() for s in args.feedback_sets.split(",") if s.strip()],
+                     tune=not args.no_tune)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     from benchmarks.quality.report import render  # the report module reads this one's constants

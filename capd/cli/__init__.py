@@ -11,6 +11,7 @@ from capd.cli.engine_cmds import index, models
 from capd.cli.learned_cmds import learned
 from capd.cli.router_cmds import calibrate, discover, eval_, route, test_
 from capd.cli.tap_cmds import lint
+from capd.cli.tune_cmds import tune
 
 
 @click.group(cls=CapdGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,3 +31,4 @@ for command in (serve, status, list_, enable, disable):
 main.add_command(index)
 main.add_command(models)
 main.add_command(learned)
+main.add_command(tune)

@@ -230,7 +230,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong)
     point = report["recommended"]
     if write and point is not None:
-        report["written"] = [str(write_gates(Path(t), point, settings.model, settings.rule)) for t in settings.taps]
+        report["written"] = [str(write_gates(Path(t), point, service.gate_model, settings.rule)) for t in settings.taps]
     if as_json:
         emit_json(report)
     else:

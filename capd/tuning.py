@@ -1,0 +1,243 @@
+"""Few-shot tuning of the model on the taps' own examples (``tune = true``, ``capd tune``).
+
+The bundled model was trained for general sentence similarity; a tap needs one thing from
+it: messages for one capability close together, apart from the others. A short
+contrastive fine-tune on each capability's examples (its triggers, its description and
+its name; never fixture rows, never learned corrections) teaches exactly that, SetFit-
+style, on the CPU in seconds to minutes. Measured on every shared eval set and taps/core
+(``make quality``, "Tuned model"): higher top-1 on every set, and a large gain in
+fired_right on sets whose capabilities share words (hwu64).
+
+Recipe (:data:`RECIPE`, fixed; measured with ``benchmarks/quality/tune_trial.py``): every
+example is paired with up to 10 other examples of its capability; batches of 32 pairs hold
+each capability at most once, so every other pair's positive is a true negative; the loss
+is the symmetric in-batch cross-entropy of cosines × 20 (multiple-negatives ranking);
+one epoch of AdamW at 2e-5 with a 10% linear warm-up, seed 0.
+
+The result is a sentence-transformers directory under ``<data>/tuned/<key>/``, where the
+key hashes the recipe, the base model's weights and every capability's examples: the same
+taps give the same key, so a restart reuses it, and an edit that changes any example gives
+a new one. Tuning runs in a child process (niced, so routing keeps the CPU first; its
+memory is returned when it ends) and writes into a temporary directory renamed into place
+when complete, so a crash never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from capd.catalog import Catalog
+from capd.errors import ModelError
+from capd.router import example_texts
+
+log = logging.getLogger(__name__)
+
+VERSION = "tune-1"  # bump when the training code changes what a recipe produces
+MARKER = "capd-tuned.json"  # written last: a directory without it is not a tuned model
+NICE = 10
+RETAIN = 3  # tuned models kept in a data directory (the most recently used)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    epochs: int = 1
+    learning_rate: float = 2e-5
+    batch_size: int = 32
+    scale: float = 20.0
+    pairs_per_example: int = 10
+    seed: int = 0
+
+
+RECIPE = Recipe()
+
+Groups = list[tuple[str, list[str]]]  # (capability, its examples)
+
+
+def groups_for(catalog: Catalog) -> Groups:
+    """Each capability's examples under the fused rule, for capabilities with at least two
+    (one example has no partner to be pulled towards)."""
+    out = []
+    for capability in catalog:
+        texts = list(example_texts(capability, "fused"))
+        if len(texts) > 1:
+            out.append((capability.name, texts))
+    return out
+
+
+def tuning_key(base_weights_sha: str, groups: Groups, recipe: Recipe = RECIPE) -> str:
+    digest = hashlib.sha256(f"{VERSION}\n{json.dumps(asdict(recipe), sort_keys=True)}\n{base_weights_sha}\n".encode())
+    for name, texts in sorted(groups):
+        digest.update(json.dumps([name, texts]).encode() + b"\n")
+    return digest.hexdigest()[:24]
+
+
+def tuned_dir(data_dir: Path, key: str) -> Path:
+    return data_dir / "tuned" / key
+
+
+def is_tuned(directory: Path) -> bool:
+    return (directory / MARKER).is_file()
+
+
+def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
+    """Mark ``keep`` as just used and remove all but the ``retain`` most recently used tuned
+    models (and their ONNX exports); returns what went.
+
+    Several capd processes may share a data directory (a daemon, ``capd eval`` on another
+    tap), so the models of the last few tap states are kept rather than only the current one.
+    """
+    from capd.models import sha256_file
+    from capd.onnx_export import onnx_dir
+
+    root = data_dir / "tuned"
+    try:
+        os.utime(root / keep / MARKER)
+        found = [d for d in root.iterdir() if not d.name.startswith(".") and is_tuned(d)]
+        found.sort(key=lambda d: (d.name == keep, (d / MARKER).stat().st_mtime), reverse=True)
+    except OSError as exc:
+        log.warning("cannot list tuned models in %s: %s", root, exc)
+        return []
+    removed = []
+    for directory in found[max(retain, 1):]:
+        weights = directory / "model.safetensors"
+        try:
+            if weights.is_file():
+                shutil.rmtree(onnx_dir(data_dir, sha256_file(weights)), ignore_errors=True)
+            shutil.rmtree(directory)
+            removed.append(directory)
+        except OSError as exc:
+            log.warning("cannot remove the superseded tuned model %s: %s", directory, exc)
+    return removed
+
+
+def pairs(groups: Groups, per_example: int, rng: random.Random) -> list[tuple[int, str, str]]:
+    """(capability, example, another example of it): up to ``per_example`` partners per example."""
+    out = []
+    for label, (_, texts) in enumerate(groups):
+        for anchor in texts:
+            partners = [t for t in texts if t != anchor]
+            out += [(label, anchor, p) for p in rng.sample(partners, min(per_example, len(partners)))]
+    return out
+
+
+def batches(items: list[tuple[int, str, str]], size: int, rng: random.Random) -> list[list[tuple[int, str, str]]]:
+    """Shuffled batches of at most ``size`` pairs in which no capability appears twice."""
+    pending = items[:]
+    rng.shuffle(pending)
+    out: list[list[tuple[int, str, str]]] = []
+    while pending:
+        batch: list[tuple[int, str, str]] = []
+        seen: set[int] = set()
+        rest = []
+        for item in pending:
+            if len(batch) < size and item[0] not in seen:
+                batch.append(item)
+                seen.add(item[0])
+            else:
+                rest.append(item)
+        out.append(batch)
+        pending = rest
+    return out
+
+
+def train(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE) -> dict[str, Any]:
+    """Fine-tune the model in ``base_dir`` on ``groups`` and save it to ``out`` (replaced atomically)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    if len(groups) < 2:
+        raise ModelError("tuning needs at least two capabilities with two or more examples each")
+    torch.manual_seed(recipe.seed)
+    rng = random.Random(recipe.seed)
+    model = SentenceTransformer(str(base_dir), device="cpu", local_files_only=True)
+    model.train()
+    items = pairs(groups, recipe.pairs_per_example, rng)
+    plan = [b for _ in range(recipe.epochs) for b in batches(items, recipe.batch_size, rng)]
+    optimiser = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
+    warm = max(1, len(plan) // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda step: min((step + 1) / warm, max(0.0, (len(plan) - step) / max(1, len(plan) - warm))))
+    started = time.perf_counter()
+    losses: list[float] = []
+    for step, batch in enumerate(plan, 1):
+        anchors = model(model.preprocess([a for _, a, _ in batch]))["sentence_embedding"]
+        positives = model(model.preprocess([p for _, _, p in batch]))["sentence_embedding"]
+        logits = recipe.scale * (torch.nn.functional.normalize(anchors, dim=1)
+                                 @ torch.nn.functional.normalize(positives, dim=1).T)
+        target = torch.arange(len(batch))
+        loss = (torch.nn.functional.cross_entropy(logits, target)
+                + torch.nn.functional.cross_entropy(logits.T, target)) / 2
+        optimiser.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimiser.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        if step % 50 == 0 or step == len(plan):
+            log.info("tuning: step %d/%d, loss %.3f", step, len(plan), sum(losses[-50:]) / len(losses[-50:]))
+    model.eval()
+    summary = {"version": VERSION, "recipe": asdict(recipe), "capabilities": len(groups),
+               "examples": sum(len(t) for _, t in groups), "pairs": len(items), "steps": len(plan),
+               "loss_first": round(sum(losses[:20]) / len(losses[:20]), 4),
+               "loss_last": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+               "seconds": round(time.perf_counter() - started, 1), "base": str(base_dir)}
+    scratch = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(scratch, ignore_errors=True)
+    model.save(str(scratch))
+    (scratch / MARKER).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    shutil.rmtree(out, ignore_errors=True)
+    scratch.replace(out)
+    return summary
+
+
+def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE, timeout: float | None = None,
+              started: list[subprocess.Popen[bytes]] | None = None) -> dict[str, Any]:
+    """:func:`train` in a niced child process (its log goes to this process's stderr).
+
+    ``started`` receives the child as soon as it runs, so a caller can stop it.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spec = out.with_name(f".{out.name}.{os.getpid()}.spec.json")
+    spec.write_text(json.dumps({"base": str(base_dir), "out": str(out), "groups": groups,
+                                "recipe": asdict(recipe)}), encoding="utf-8")
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "capd.tuning", str(spec)],
+                                 preexec_fn=lambda: os.nice(NICE))  # only os.nice: safe between fork and exec
+        if started is not None:
+            started.append(child)
+        code = child.wait(timeout)
+    finally:
+        spec.unlink(missing_ok=True)
+    if code != 0 or not is_tuned(out):
+        raise ModelError(f"tuning failed (exit {code}); the untuned model stays in use")
+    summary: dict[str, Any] = json.loads((out / MARKER).read_text(encoding="utf-8"))
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Child-process entry: ``python -m capd.tuning SPEC.json``."""
+    parser = argparse.ArgumentParser(description="capd's tuning worker (started by capd itself)")
+    parser.add_argument("spec", type=Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="capd tuning: %(message)s")
+    spec = json.loads(args.spec.read_text(encoding="utf-8"))
+    groups = [(str(name), [str(t) for t in texts]) for name, texts in spec["groups"]]
+    summary = train(Path(spec["base"]), groups, Path(spec["out"]), Recipe(**spec.get("recipe", {})))
+    log.info("done: %d steps in %.1f s", summary["steps"], summary["seconds"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Tuning the model on a tap's own examples (capd/tuning.py): the recipe's pieces, the cache
+by content hash, the daemon's background tuning and swap, and — on the real model — that the
+tuned model separates unseen messages of a tap's capabilities better than the untuned one."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import capd.service as service_module
+from capd.cli import main
+from capd.encoder import Encoder
+from capd.service import Service
+from capd.settings import Settings
+from capd.taps import load_catalog
+from capd.tuning import MARKER, batches, groups_for, is_tuned, pairs, prune, tuned_dir, tuning_key
+from tests.conftest import isolated_data_dir
+from tests.taputil import write_capability
+
+TRIGGERS = {
+    "postgres": ["run a SQL query on the database", "show the tables in postgres",
+                 "which rows changed in the orders table", "explain this slow query",
+                 "create an index on the users table"],
+    "docker": ["start a container from this image", "list running containers", "build the docker image",
+               "show the logs of the web container", "stop every container"],
+    "calendar": ["schedule a meeting with Ana tomorrow", "what is on my calendar today", "move my 3pm call to Friday",
+                 "find a free slot next week", "cancel the standup on Monday"],
+}
+UNSEEN = {  # paraphrases that are no capability's trigger
+    "postgres": ["count the customers in the db", "select everything from invoices where total is over 100"],
+    "docker": ["restart the nginx container", "pull the latest redis image and run it"],
+    "calendar": ["book a call with the team on Thursday", "am I free at noon"],
+}
+
+
+def write_tap(root: Path, triggers: dict[str, list[str]] = TRIGGERS) -> Path:
+    for name, texts in triggers.items():
+        write_capability(root, name, texts)
+    return root
+
+
+# -- the recipe's pieces (no model) --------------------------------------------------------
+
+
+def test_batches_never_hold_a_capability_twice_and_keep_every_pair() -> None:
+    groups = [(f"c{i}", [f"c{i} example {j}" for j in range(2 + i)]) for i in range(6)]
+    items = pairs(groups, 3, random.Random(0))
+    assert all(a != b and a.split()[0] == b.split()[0] for _, a, b in items)
+    assert len(items) == sum(len(t) * min(3, len(t) - 1) for _, t in groups)
+    planned = batches(items, 4, random.Random(1))
+    assert sorted(p for b in planned for p in b) == sorted(items)
+    for batch in planned:
+        assert 1 <= len(batch) <= 4
+        assert len({label for label, _, _ in batch}) == len(batch)
+
+
+def test_key_follows_the_examples_not_their_order(tmp_path: Path) -> None:
+    groups = groups_for(load_catalog([write_tap(tmp_path / "tap")]))
+    assert [name for name, _ in groups] == ["calendar", "docker", "postgres"]
+    assert all(len(texts) == 6 for _, texts in groups)  # five triggers and the name
+    key = tuning_key("sha", groups)
+    assert tuning_key("sha", list(reversed(groups))) == key
+    assert tuning_key("other-weights", groups) != key
+    edited = [(n, [*t[:-1], t[-1] + "!"]) if n == "docker" else (n, t) for n, t in groups]
+    assert tuning_key("sha", edited) != key
+
+
+def test_prune_keeps_the_most_recent_and_their_onnx_exports(tmp_path: Path) -> None:
+    from capd.models import sha256_file
+    from capd.onnx_export import onnx_dir
+
+    made = []
+    for i in range(5):
+        directory = tuned_dir(tmp_path, f"k{i}")
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(f"weights {i}".encode())
+        (directory / MARKER).write_text("{}", encoding="utf-8")
+        onnx_dir(tmp_path, sha256_file(directory / "model.safetensors")).mkdir(parents=True)
+        made.append(directory)
+        time.sleep(0.01)
+    (tmp_path / "tuned" / ".k9.123.tmp").mkdir()  # a tuning run in progress is left alone
+    removed = prune(tmp_path, "k0", retain=3)
+    assert sorted(p.name for p in removed) == ["k1", "k2"]
+    assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == [".k9.123.tmp", "k0", "k3", "k4"]
+    assert len(list((tmp_path / "onnx").iterdir())) == 3
+
+
+# -- the real model -----------------------------------------------------------------------------
+
+
+def separation(encoder: Encoder, groups: list[tuple[str, list[str]]]) -> float:
+    """Mean over unseen messages of (top-3 cosine to their own capability's examples − the best
+    other capability's)."""
+    examples = {name: encoder.embed(texts) for name, texts in groups}
+    gaps = []
+    for name, messages in UNSEEN.items():
+        for vector in encoder.embed(messages):
+            scores = {n: float(np.sort(e @ vector)[-3:].mean()) for n, e in examples.items()}
+            gaps.append(scores[name] - max(s for n, s in scores.items() if n != name))
+    return float(np.mean(gaps))
+
+
+@pytest.fixture(scope="module")
+def tuned_service(model_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    root = tmp_path_factory.mktemp("tuning")
+    settings = replace(isolated_data_dir(model_settings, root), taps=(write_tap(root / "tap"),), tune=True,
+                       rule="fused")
+    service = Service(settings).start()  # no sessions: tunes in the foreground
+    yield service
+    service.close()
+
+
+@pytest.mark.slow
+def test_tuned_model_separates_unseen_messages_better(tuned_service: Service, real_encoder: Encoder) -> None:
+    state = tuned_service.tuning
+    assert state.status == "ready" and state.key is not None and state.seconds is not None
+    assert is_tuned(Path(state.model or ""))
+    assert tuned_service.health()["model"] != real_encoder.model_id
+    assert tuned_service.router.encoder.model_id == tuned_service.health()["model"]
+    groups = groups_for(tuned_service.catalog_now())
+    before, after = separation(real_encoder, groups), separation(tuned_service.router.encoder, groups)
+    assert after > before + 0.05, (before, after)
+    assert tuned_service.gate_model == "all-minilm-l6-v2+tuned"  # its gates are kept apart in capd.toml
+
+
+@pytest.mark.slow
+def test_a_restart_reuses_the_tuned_model(tuned_service: Service) -> None:
+    again = Service(tuned_service.settings).start()
+    try:
+        assert again.tuning.status == "ready" and again.tuning.key == tuned_service.tuning.key
+        assert again.tuning.seconds is None  # nothing trained
+        assert again.health()["model"] == tuned_service.health()["model"]
+        assert again.route("restart the nginx container").decision.candidates[0][0] == "docker"
+    finally:
+        again.close()
+
+
+@pytest.mark.slow
+def test_daemon_serves_while_tuning_then_swaps_and_retunes_after_an_edit(
+        model_settings: Settings, real_encoder: Encoder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "TUNE_DELAY", 0.1)
+    tap = write_tap(tmp_path / "tap", {n: t[:4] for n, t in TRIGGERS.items()})  # not the module's tap: tunes afresh
+    settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(tap,), tune=True)
+    service = Service(settings, sessions=True).start()
+    try:
+        assert service.tuning.status == "tuning"  # start() did not wait for it
+        assert service.health()["model"] == real_encoder.model_id
+        assert service.route("list running containers", "s1").decision.decision in ("activate", "abstain")
+        first = wait_for(service, lambda s: s.tuning.status == "ready")
+        assert service.health()["model"] != real_encoder.model_id
+        assert service.route("list running containers", "s1").decision.capability == "docker"
+
+        write_capability(tap, "docker", [*TRIGGERS["docker"][:4], "remove dangling images"])
+        service.reload()
+        second = wait_for(service, lambda s: s.tuning.status == "ready" and s.tuning.key != first)
+        assert second != first and is_tuned(tuned_dir(settings.data_dir, first))  # the last few are kept
+        assert "remove dangling images" in service.router.index.triggers("docker")
+        assert service.health()["tuning"]["key"] == second
+    finally:
+        service.close()
+
+
+def wait_for(service: Service, done: Callable[[Service], bool], timeout: float = 240.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if done(service):
+            return str(service.tuning.key)
+        assert service.tuning.status != "failed", service.tuning.error
+        time.sleep(0.2)
+    raise AssertionError(f"tuning did not finish in {timeout} s: {service.tuning}")
+
+
+@pytest.mark.slow
+def test_cli_tune_reports_the_cached_model(tuned_service: Service) -> None:
+    settings = tuned_service.settings
+    result = CliRunner().invoke(main, ["tune", "--tap", str(settings.taps[0]), "--data-dir", str(settings.data_dir),
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    state = json.loads(result.output)
+    assert state["status"] == "ready" and state["key"] == tuned_service.tuning.key and state["seconds"] is None
+
+
+def test_cli_tune_fails_clearly_with_nothing_to_tune(tmp_path: Path, model_settings: Settings) -> None:
+    tap = tmp_path / "tap"
+    write_capability(tap, "only", ["a single capability cannot be contrasted"])
+    data = isolated_data_dir(model_settings, tmp_path).data_dir
+    result = CliRunner().invoke(main, ["tune", "--tap", str(tap), "--data-dir", str(data)])
+    assert result.exit_code == 1
+    assert "nothing to tune on" in result.output
