@@ -76,6 +76,9 @@ def status(config: Path | None, host: str | None, port: int | None, uds: Path | 
     click.echo(f"{health['status']}  ready={health['ready']}  model={health['model']}  "
                f"capabilities={health['capabilities']}  triggers={health['triggers']}  "
                f"embedded={health['embedded']}  cached={health['cached']}")
+    tuning = health.get("tuning") or {}
+    if tuning.get("enabled"):
+        click.echo(f"  tuning: {tuning['status']}" + (f" ({tuning['error']})" if tuning.get("error") else ""))
     for error in health["errors"]:
         click.echo(f"  {error['file']}: line {error['line']}: {error['reason']}", err=True)
 
