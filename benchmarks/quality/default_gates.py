@@ -5,7 +5,10 @@ taps they were not fitted on. This sweeps the rule's gate grid and keeps the poi
 highest mean fired_right over the sets whose worst null_fpr and fired_wrong stay within the
 limits — on the fit parts only (``capd.calibrate.split``), so every held-out row stays unseen.
 
-    .venv/bin/python -m benchmarks.quality.default_gates --rule fused
+    .venv/bin/python -m benchmarks.quality.default_gates --rule fused [--tune]
+
+``--tune`` chooses them for the tuned model (``tune = true``), reusing the tuned models that
+``make quality`` cached in ``benchmarks/.cache/quality/tuned`` (tuning any that are missing).
 
 Prints the chosen point and, for reference, what it gives on each set's fit part.
 """
@@ -15,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
-from benchmarks.quality.run import EVALSETS, SETS, find_sets
+from benchmarks.quality.run import CACHE, EVALSETS, SETS, find_sets
 from capd.calibrate import grid_for, split, sweep
 from capd.evaluation import score_table
 from capd.fixtures import load_fixtures
@@ -31,6 +35,7 @@ def main() -> None:
     parser.add_argument("--rule", default="fused")
     parser.add_argument("--max-null-fpr", type=float, default=0.05)
     parser.add_argument("--max-wrong", type=float, default=0.03)
+    parser.add_argument("--tune", action="store_true", help="for the tuned model (tune = true)")
     args = parser.parse_args()
     grid = grid_for(args.rule)
     k = 3 if 3 in grid.top_ks else grid.top_ks[0]
@@ -38,7 +43,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as data_dir:
         for evalset in find_sets(SETS, EVALSETS)[0]:
             name = evalset.name
-            settings = load_settings(flags={"taps": [str(evalset.tap)], "rule": args.rule, "data_dir": data_dir})
+            folder = CACHE / "tuned" / name if args.tune else Path(data_dir)
+            settings = load_settings(flags={"taps": [str(evalset.tap)], "rule": args.rule, "data_dir": str(folder),
+                                            "tune": args.tune})
             service = Service(settings).start()
             fixtures = load_fixtures(evalset.fixture_files)
             fit_rows, _ = split(fixtures)
@@ -54,7 +61,7 @@ def main() -> None:
     if score[t, m] < 0:
         raise SystemExit("no gate point keeps every set within the limits")
     print(json.dumps({
-        "rule": args.rule, "threshold": float(grid.thresholds[t]), "margin": float(grid.margins[m]),
+        "rule": args.rule, "tuned": args.tune, "threshold": float(grid.thresholds[t]), "margin": float(grid.margins[m]),
         "mean_fit_fired_right": round(float(mean_right[t, m]), 4),
         "per_set_fit": {n: {"fired_right": round(float(rights[n][t, m]), 4),
                             "fired_wrong": round(float(wrongs[n][t, m]), 4),
