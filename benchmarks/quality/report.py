@@ -92,6 +92,8 @@ def manifest_lines(manifest: dict[str, Any]) -> list[str]:
 
 def feedback_lines(result: dict[str, Any]) -> list[str]:
     runs = {n: d["feedback"] for n, d in result["sets"].items() if "feedback" in d}
+    runs.update({f"{n} (tuned model)": d["feedback_tuned"] for n, d in result["sets"].items()
+                 if "error" not in d.get("feedback_tuned", {"error": None})})
     if not result["learning_available"]:
         return ["Not available: this build of capd has no `Service.apply_learned` (learning from corrections).", ""]
     if not runs:
@@ -100,7 +102,8 @@ def feedback_lines(result: dict[str, Any]) -> list[str]:
              "if it did not activate an expected capability, enable the expected one by hand "
              "(`registry.activate(..., \"manual\")`); then `apply_learned()` and score the **held-out** part again. "
              "The held-out messages are never corrected. (b) refits the gates on the fit part, whose misses are now "
-             "examples — so those gates are tuned on memorised rows.", "",
+             "examples — so those gates are tuned on memorised rows. Rows marked *(tuned model)* do the same with "
+             "`tune = true` at the gates calibrated for fused + tuned.", "",
              "| set | routed / corrected / learned | held-out | gates | top1 | fired_right | fired_wrong | null_fpr |",
              "|---|---|---|---|---|---|---|---|"]
     for name, f in runs.items():

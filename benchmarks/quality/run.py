@@ -111,9 +111,15 @@ class Bench:
         that set's data directory under :attr:`tuned_root` (so a rerun reuses its tuned model)."""
         self.services += 1
         data_dir = self.scratch / (f"sessions-{self.services}" if sessions else "shared")
-        if tuned_as is not None:
-            data_dir = (self.tuned_root or self.scratch / "tuned") / tuned_as
-        if sessions and (self.scratch / "shared" / "heads").is_dir():  # fitted heads are keyed by content
+        tuned_dir = None if tuned_as is None else (self.tuned_root or self.scratch / "tuned") / tuned_as
+        if tuned_dir is not None and not sessions:
+            data_dir = tuned_dir
+        elif tuned_dir is not None:  # fresh sessions and corrections, the set's tuned model and its export
+            for folder in ("tuned", "onnx"):
+                (data_dir / folder).parent.mkdir(parents=True, exist_ok=True)
+                (tuned_dir / folder).mkdir(parents=True, exist_ok=True)
+                (data_dir / folder).symlink_to(tuned_dir / folder, target_is_directory=True)
+        elif sessions and (self.scratch / "shared" / "heads").is_dir():  # fitted heads are keyed by content
             shutil.copytree(self.scratch / "shared" / "heads", data_dir / "heads")
         settings = Settings(taps=(tap,), rule=rule, data_dir=data_dir, threshold=gates.threshold if gates else None,
                             margin=gates.margin if gates else None, tune=tuned_as is not None)
@@ -202,12 +208,17 @@ def timing(bench: Bench, service: Service, fixtures: Sequence[Fixture], vectors:
     return {name: round(statistics.median(values), 4) for name, values in samples.items()}
 
 
-def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vectors: np.ndarray,
-             gates: Point) -> dict[str, Any]:
-    """Route the fit part's positives in sessions, correct the misses by hand, apply, re-score held-out."""
-    service = bench.service(evalset.tap, "fused", sessions=True, gates=gates)
+def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vectors: np.ndarray | None,
+             gates: Point, tuned: bool = False) -> dict[str, Any]:
+    """Route the fit part's positives in sessions, correct the misses by hand, apply, re-score held-out.
+    ``tuned``: with the set's tuned model (``vectors`` None: embedded with it)."""
+    service = bench.service(evalset.tap, "fused", sessions=True, gates=gates,
+                            tuned_as=evalset.name if tuned else None)
     try:
         assert service.registry is not None
+        if tuned and service.tuning.status != "ready":
+            return {"error": f"the tuned model is not available: {service.tuning.error or service.tuning.status}"}
+        vectors = bench.vectors(service, fixtures) if vectors is None else vectors
         fit_rows, held_rows = split(fixtures)
         grid = grid_for("fused")
         before = score_table(service.router, fixtures, vectors=vectors)
@@ -255,6 +266,10 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = Tr
             result["timing"][rule] = timing(bench, service, fixtures, vectors)
         finally:
             service.close()
+    calibrated = result["rules"]["fused"].get("calibrated")
+    if with_feedback and vectors is not None and calibrated is not None:
+        print(f"   feedback loop on {evalset.name}", flush=True)
+        result["feedback"] = feedback(bench, evalset, fixtures, vectors, Point(**calibrated["gates"]))
     for rule in RULES if tune else ():
         print(f"   {rule} with the tuned model", flush=True)
         service = bench.service(evalset.tap, rule, tuned_as=evalset.name)
@@ -267,10 +282,10 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = Tr
             result["tuning"] = {**service.tuning.as_dict(), "trained": tuning_summary(service)}
         finally:
             service.close()
-    calibrated = result["rules"]["fused"].get("calibrated")
-    if with_feedback and vectors is not None and calibrated is not None:
-        print(f"   feedback loop on {evalset.name}", flush=True)
-        result["feedback"] = feedback(bench, evalset, fixtures, vectors, Point(**calibrated["gates"]))
+    calibrated = result["rules"].get("fused+tuned", {}).get("calibrated")
+    if with_feedback and calibrated is not None:
+        print(f"   feedback loop on {evalset.name} with the tuned model", flush=True)
+        result["feedback_tuned"] = feedback(bench, evalset, fixtures, None, Point(**calibrated["gates"]), tuned=True)
     return result
 
 
