@@ -28,7 +28,7 @@ from capd.fused import FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import Corrections, LearnedStore
 from capd.metrics import Metrics
-from capd.models import manifest_for, resolve
+from capd.models import HASH_MODEL, manifest_for, resolve
 from capd.router import Decision, GateBook, Gates, Router, build_gatebook, example_catalog
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
@@ -120,7 +120,7 @@ class Service:
         self.ready_after: float | None = None
         self.startup_error: str | None = None
         self.state_error: str | None = None  # why session state is not stored on disk, if it is not
-        self.tuning = Tuning(enabled=settings.tune and settings.model != "hash")
+        self.tuning = Tuning(enabled=settings.tune and settings.model != HASH_MODEL)
         self._cache: VectorCache | None = None
         self._tune_timer: threading.Timer | None = None
         self._tune_thread: threading.Thread | None = None
@@ -249,6 +249,8 @@ class Service:
         assert self.embedder is not None and self.index is not None and self.encoder is not None
         with self._lock:
             catalog = self._load_taps(changed)
+            if self.tuning.enabled and self.tuning.key is None and self.ready_after is None:
+                self._adopt_cached_tuning(catalog)  # a restart starts on its tuned model: embeds once
             report = self._publish(catalog)
             self.counters.reloads += 1
             if self.tuning.enabled and self.ready_after is not None and self._want_sessions:
@@ -275,13 +277,23 @@ class Service:
 
     # -- tuning (capd/tuning.py) ------------------------------------------------------------
 
+    def _tuning_target(self, catalog: Catalog) -> tuple[str, list[tuple[str, list[str]]], Path]:
+        """The tuning key for ``catalog``, its training groups and the base model's directory."""
+        groups = groups_for(catalog)
+        base = resolve(manifest_for(self.settings), self.settings.data_dir)
+        return tuning_key(base.weights_sha256, groups, self.tune_recipe), groups, base.directory
+
+    def _adopt_cached_tuning(self, catalog: Catalog) -> None:
+        """Before the first publish: switch to the tuned model for ``catalog`` if it is cached."""
+        key, _, _ = self._tuning_target(catalog)
+        path = tuned_dir(self.settings.data_dir, key)
+        if is_tuned(path):
+            self._switch_encoder(path, key)
+
     def _ensure_tuned(self, background: bool) -> None:
         """Route with the tuned model for the current catalog: reuse it if it exists, else tune
         (in a background thread for the daemon, which keeps serving meanwhile; else blocking)."""
-        catalog = self.catalog_now()
-        groups = groups_for(catalog)
-        base = resolve(manifest_for(self.settings), self.settings.data_dir)
-        key = tuning_key(base.weights_sha256, groups, self.tune_recipe)
+        key, groups, base = self._tuning_target(self.catalog_now())
         self.tuning.wanted = key
         if key == self.tuning.key:
             self.tuning.status = "ready"
@@ -295,12 +307,12 @@ class Service:
             self.tuning.error = "nothing to tune on: fewer than two capabilities with two or more examples"
             return
         if not background:
-            self._tune(base.directory, groups, path, key)
+            self._tune(base, groups, path, key)
             return
         running = self._tune_thread
         if running is not None and running.is_alive() and running is not threading.current_thread():
             return  # it re-checks the catalog when it finishes
-        self._tune_thread = threading.Thread(target=self._tune_in_background, args=(base.directory, groups, path, key),
+        self._tune_thread = threading.Thread(target=self._tune_in_background, args=(base, groups, path, key),
                                              name="capd-tune", daemon=True)
         self._tune_thread.start()
 
@@ -330,31 +342,35 @@ class Service:
         self._tune_timer.daemon = True
         self._tune_timer.start()
 
-    def _use_tuned(self, path: Path, key: str) -> None:
-        """Swap in the tuned model: embed every example with it, then publish (under the lock)."""
+    def _switch_encoder(self, path: Path, key: str) -> bool:
+        """Point the encoder, embedder and index at the tuned model in ``path`` (under the lock;
+        the caller publishes). The encoder it replaces is closed once requests holding it finish."""
         try:
             tuned = open_encoder(dataclasses.replace(self.settings, model=str(path)))
         except Exception as exc:
             self.tuning.status, self.tuning.error = "failed", f"cannot load the tuned model {path}: {exc}"
             log.error("%s", self.tuning.error)
-            return
-        with self._lock:
-            if self._closed:
-                return
-            assert self._cache is not None
-            old = self.encoder
-            self.encoder = MicroBatcher(tuned)
-            self.embedder = CachedEmbedder(self.encoder, self._cache)
-            self.index = TriggerIndex(self.encoder.dim)
-            self._publish(self.catalog_now())
-            self.tuning.key, self.tuning.model, self.tuning.error = key, str(path), None
-            self.tuning.status = "ready" if key == self.tuning.wanted else "stale"
+            return False
+        assert self._cache is not None
+        old = self.encoder
+        self.encoder = MicroBatcher(tuned)
+        self.embedder = CachedEmbedder(self.encoder, self._cache)
+        self.index = TriggerIndex(self.encoder.dim)
+        self.tuning.key, self.tuning.model, self.tuning.error = key, str(path), None
+        self.tuning.status = "ready" if key == self.tuning.wanted or self.tuning.wanted is None else "stale"
         log.info("routing with the tuned model %s", path)
         prune(self.settings.data_dir, key)
-        if isinstance(old, MicroBatcher):  # requests already holding the old router finish first
+        if isinstance(old, MicroBatcher):
             retire = threading.Timer(RETIRE_DELAY, old.close)
             retire.daemon = True
             retire.start()
+        return True
+
+    def _use_tuned(self, path: Path, key: str) -> None:
+        """Swap in the tuned model: embed every example with it and publish, under the lock."""
+        with self._lock:
+            if not self._closed and self._switch_encoder(path, key):
+                self._publish(self.catalog_now())
 
     # -- learning from corrections ---------------------------------------------------------
 
@@ -416,14 +432,16 @@ class Service:
                      "top_k": self.settings.top_k}
         gates = manifest.gates_for(rule)
         model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]))
-        return build_gatebook(model_gates, catalog, overrides, model=self.gate_model, rule=rule)
+        return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule)
+
+    def _gate_model(self, manifest_name: str) -> str:
+        return f"{manifest_name}+tuned" if self.tuning.key is not None else manifest_name
 
     @property
     def gate_model(self) -> str:
         """The model name gates are recorded for in ``capd.toml``: a tuned model has its own scale,
         so its gates are kept apart (``<manifest>+tuned``) from the untuned model's."""
-        name = manifest_for(self.settings).name
-        return f"{name}+tuned" if self.tuning.key is not None else name
+        return self._gate_model(manifest_for(self.settings).name)
 
     @property
     def router(self) -> Router:

@@ -164,6 +164,7 @@ def train(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE) ->
     rng = random.Random(recipe.seed)
     model = SentenceTransformer(str(base_dir), device="cpu", local_files_only=True)
     model.train()
+    features = getattr(model, "preprocess", None) or model.tokenize  # renamed in newer sentence-transformers
     items = pairs(groups, recipe.pairs_per_example, rng)
     plan = [b for _ in range(recipe.epochs) for b in batches(items, recipe.batch_size, rng)]
     optimiser = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
@@ -173,8 +174,8 @@ def train(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE) ->
     started = time.perf_counter()
     losses: list[float] = []
     for step, batch in enumerate(plan, 1):
-        anchors = model(model.preprocess([a for _, a, _ in batch]))["sentence_embedding"]
-        positives = model(model.preprocess([p for _, _, p in batch]))["sentence_embedding"]
+        anchors = model(features([a for _, a, _ in batch]))["sentence_embedding"]
+        positives = model(features([p for _, _, p in batch]))["sentence_embedding"]
         logits = recipe.scale * (torch.nn.functional.normalize(anchors, dim=1)
                                  @ torch.nn.functional.normalize(positives, dim=1).T)
         target = torch.arange(len(batch))
