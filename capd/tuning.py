@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,8 @@ class Recipe:
 RECIPE = Recipe()
 
 Groups = list[tuple[str, list[str]]]  # (capability, its examples)
+Pair = tuple[int, str, str]  # (capability index, example, another example of it)
+Batcher = Callable[[list[Pair], int, random.Random], list[list[Pair]]]
 
 
 def groups_for(catalog: Catalog) -> Groups:
@@ -123,7 +125,7 @@ def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
     return removed
 
 
-def pairs(groups: Groups, per_example: int, rng: random.Random) -> list[tuple[int, str, str]]:
+def pairs(groups: Groups, per_example: int, rng: random.Random) -> list[Pair]:
     """(capability, example, another example of it): up to ``per_example`` partners per example."""
     out = []
     for label, (_, texts) in enumerate(groups):
@@ -133,13 +135,13 @@ def pairs(groups: Groups, per_example: int, rng: random.Random) -> list[tuple[in
     return out
 
 
-def batches(items: list[tuple[int, str, str]], size: int, rng: random.Random) -> list[list[tuple[int, str, str]]]:
+def batches(items: list[Pair], size: int, rng: random.Random) -> list[list[Pair]]:
     """Shuffled batches of at most ``size`` pairs in which no capability appears twice."""
     pending = items[:]
     rng.shuffle(pending)
-    out: list[list[tuple[int, str, str]]] = []
+    out: list[list[Pair]] = []
     while pending:
-        batch: list[tuple[int, str, str]] = []
+        batch: list[Pair] = []
         seen: set[int] = set()
         rest = []
         for item in pending:
@@ -153,8 +155,13 @@ def batches(items: list[tuple[int, str, str]], size: int, rng: random.Random) ->
     return out
 
 
-def train(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE) -> dict[str, Any]:
-    """Fine-tune the model in ``base_dir`` on ``groups`` and save it to ``out`` (replaced atomically)."""
+def train(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE,
+          batcher: Batcher = batches) -> dict[str, Any]:
+    """Fine-tune the model in ``base_dir`` on ``groups`` and save it to ``out`` (replaced atomically).
+
+    ``batcher`` orders the pairs into batches (:func:`batches`; the research harness
+    ``benchmarks/quality/tune_trial.py`` tries others); it must keep a capability at most once
+    per batch, or a batch holds false negatives."""
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -166,7 +173,7 @@ def train(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE) ->
     model.train()
     features = getattr(model, "preprocess", None) or model.tokenize  # renamed in newer sentence-transformers
     items = pairs(groups, recipe.pairs_per_example, rng)
-    plan = [b for _ in range(recipe.epochs) for b in batches(items, recipe.batch_size, rng)]
+    plan = [b for _ in range(recipe.epochs) for b in batcher(items, recipe.batch_size, rng)]
     optimiser = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
     warm = max(1, len(plan) // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(

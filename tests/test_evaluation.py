@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import best_point, split
+from capd.calibrate import COSINE_GRID, best_point, split
 from capd.cli import main
 from capd.errors import FixtureError
 from capd.evaluation import ScoreTable, apply_gates, breakdown, metrics
@@ -160,3 +160,17 @@ def test_eval_json_and_html_report(tmp_path: Path, model_settings: Settings) -> 
                     f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,1400",
                     f"--screenshot={shot}", html.as_uri()], check=True, capture_output=True, timeout=60)
     assert shot.stat().st_size > 20_000  # a rendered page with charts, not a blank frame
+
+
+def test_cautious_calibration_trial_modes_accept_a_subset_of_the_shipped_points() -> None:
+    from benchmarks.quality.calibration_trial import choose, feasible
+
+    table = _table()
+    _, plain = feasible(table, COSINE_GRID, "plain")
+    best, _ = best_point({1: table}, 0.05, 0.03, COSINE_GRID)
+    chosen = choose({1: table}, COSINE_GRID, "plain")
+    assert best is not None and chosen is not None and chosen[3] == best.fired_right
+    for mode in ("spare", "wilson", "erode"):
+        _, ok = feasible(table, COSINE_GRID, mode)
+        assert not (ok & ~plain).any()
+        assert ok.sum() < plain.sum()

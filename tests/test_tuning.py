@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +17,13 @@ import pytest
 from click.testing import CliRunner
 
 import capd.service as service_module
+from benchmarks.quality.tune_trial import hard_batches
 from capd.cli import main
 from capd.encoder import Encoder
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
-from capd.tuning import MARKER, batches, groups_for, is_tuned, pairs, prune, tuned_dir, tuning_key
+from capd.tuning import MARKER, Batcher, batches, groups_for, is_tuned, pairs, prune, tuned_dir, tuning_key
 from tests.conftest import isolated_data_dir
 from tests.taputil import write_capability
 
@@ -50,12 +52,17 @@ def write_tap(root: Path, triggers: dict[str, list[str]] = TRIGGERS) -> Path:
 # -- the recipe's pieces (no model) --------------------------------------------------------
 
 
-def test_batches_never_hold_a_capability_twice_and_keep_every_pair() -> None:
+NEIGHBOURS = [[(i + d) % 6 for d in (1, 2, 3, 4, 5)] for i in range(6)]  # for the research harness's batcher
+
+
+@pytest.mark.parametrize("batcher", [batches, partial(hard_batches, neighbours=NEIGHBOURS)],
+                         ids=["random", "hard"])
+def test_batches_never_hold_a_capability_twice_and_keep_every_pair(batcher: Batcher) -> None:
     groups = [(f"c{i}", [f"c{i} example {j}" for j in range(2 + i)]) for i in range(6)]
     items = pairs(groups, 3, random.Random(0))
     assert all(a != b and a.split()[0] == b.split()[0] for _, a, b in items)
     assert len(items) == sum(len(t) * min(3, len(t) - 1) for _, t in groups)
-    planned = batches(items, 4, random.Random(1))
+    planned = batcher(items, 4, random.Random(1))
     assert sorted(p for b in planned for p in b) == sorted(items)
     for batch in planned:
         assert 1 <= len(batch) <= 4
@@ -195,3 +202,10 @@ def test_cli_tune_fails_clearly_with_nothing_to_tune(tmp_path: Path, model_setti
     result = CliRunner().invoke(main, ["tune", "--tap", str(tap), "--data-dir", str(data)])
     assert result.exit_code == 1
     assert "nothing to tune on" in result.output
+
+
+def test_hard_batches_fill_a_batch_with_the_nearest_capabilities() -> None:
+    items = [(label, f"c{label} a{j}", f"c{label} b{j}") for label in range(6) for j in range(2)]
+    for batch in hard_batches(items, 3, random.Random(0), NEIGHBOURS)[:2]:  # every capability still pending
+        seed = batch[0][0]
+        assert [label for label, _, _ in batch] == [seed, *NEIGHBOURS[seed][:2]]

@@ -13,23 +13,58 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.quality.run import CACHE, EVALSETS, RESULTS, SETS, find_sets, measure
-from capd.encoder import open_encoder
+from capd.encoder import Encoder, open_encoder
 from capd.models import manifest_for, resolve
 from capd.settings import Settings
 from capd.taps import load_catalog
-from capd.tuning import RECIPE, Recipe, groups_for, train
+from capd.tuning import RECIPE, Batcher, Groups, Pair, Recipe, batches, groups_for, train
 
 
 def headline(result: dict[str, Any], name: str) -> dict[str, Any]:
     rules = result["sets"][name]["rules"]
     return {rule: {"gates": r.get("calibrated", {}).get("gates"), "held_out": r.get("calibrated", {}).get("held_out"),
                    "all_rows": r.get("all_rows", {}).get("all")} for rule, r in rules.items()}
+
+
+def hard_batches(items: list[Pair], size: int, rng: random.Random, neighbours: list[list[int]]) -> list[list[Pair]]:
+    """Batches of confusable capabilities: a random pending capability, then its nearest
+    neighbours (by the untuned model's centroids), one pair each, no capability twice."""
+    pending: dict[int, list[Pair]] = {}
+    shuffled = items[:]
+    rng.shuffle(shuffled)
+    for item in shuffled:
+        pending.setdefault(item[0], []).append(item)
+    out = []
+    while pending:
+        batch = []
+        seed = rng.choice(sorted(pending))
+        for label in [seed, *neighbours[seed]]:
+            if label in pending:
+                batch.append(pending[label].pop())
+                if not pending[label]:
+                    del pending[label]
+                if len(batch) == size:
+                    break
+        out.append(batch)
+    return out
+
+
+def hard_batcher(encoder: Encoder, groups: Groups) -> Batcher:
+    centroids = np.stack([encoder.embed(texts).mean(axis=0) for _, texts in groups])
+    centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
+    similarity = centroids @ centroids.T
+    neighbours = [[int(j) for j in np.argsort(-row) if j != i] for i, row in enumerate(similarity)]
+    return partial(hard_batches, neighbours=neighbours)
 
 
 def main(argv: list[str]) -> None:
@@ -40,6 +75,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batch", type=int, default=RECIPE.batch_size)
     parser.add_argument("--scale", type=float, default=RECIPE.scale)
     parser.add_argument("--pairs-per-example", type=int, default=RECIPE.pairs_per_example)
+    parser.add_argument("--hard", action="store_true",
+                        help="batches of confusable capabilities (nearest centroids) instead of random ones")
+    parser.add_argument("--no-baseline", action="store_true", help="skip measuring the untuned model")
     parser.add_argument("--out", type=Path, default=RESULTS / "tune_trial.json")
     args = parser.parse_args(argv)
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
@@ -49,17 +87,20 @@ def main(argv: list[str]) -> None:
     for evalset in found:
         groups = groups_for(load_catalog([evalset.tap]))
         entry: dict[str, Any] = {"capabilities": len(groups), "examples": sum(len(t) for _, t in groups)}
-        before = measure([evalset.name], EVALSETS, [], encoder=base, timed=20, tune=False)
-        entry["untuned"] = headline(before, evalset.name)
+        if not args.no_baseline:
+            before = measure([evalset.name], EVALSETS, [], encoder=base, timed=20, tune=False)
+            entry["untuned"] = headline(before, evalset.name)
         with tempfile.TemporaryDirectory(prefix="capd-tune-") as scratch:
             model_dir = Path(scratch) / f"tuned-{evalset.name}"
             recipe = Recipe(args.epochs, args.lr, args.batch, args.scale, args.pairs_per_example)
-            entry["tuning"] = train(resolve(manifest_for(Settings(taps=()))).directory, groups, model_dir, recipe)
+            batcher = hard_batcher(base, groups) if args.hard else batches
+            entry["tuning"] = train(resolve(manifest_for(Settings(taps=()))).directory, groups, model_dir, recipe,
+                                    batcher)
             tuned = open_encoder(Settings(model=str(model_dir), data_dir=Path(scratch) / "data", taps=()))
             after = measure([evalset.name], EVALSETS, [], encoder=tuned, timed=20, tune=False)
         entry["tuned"] = headline(after, evalset.name)
         report["sets"][evalset.name] = entry
-        for label in ("untuned", "tuned"):
+        for label in [k for k in ("untuned", "tuned") if k in entry]:
             for rule, r in entry[label].items():
                 h = r["held_out"] or {}
                 print(f"{evalset.name:20s} {label:8s} {rule:7s} " + " ".join(

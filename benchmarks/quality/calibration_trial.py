@@ -1,0 +1,125 @@
+"""Research harness: does a more cautious calibration keep the limits on held-out rows?
+
+Run: ``.venv/bin/python -m benchmarks.quality.calibration_trial [--sets a,b] [--rules fused,anchor+tuned]``.
+
+``capd calibrate`` picks the point with the most fired_right on the fit part whose null_fpr and
+fired_wrong are within the limits. Chosen on the edge of the feasible region, that point can
+exceed a limit on unseen rows. This compares, on the held-out part, the shipped choice
+(``plain``) with three cautious ones:
+
+- ``spare``: the limits must still hold with one more null (and one more wrong) fired;
+- ``wilson``: the one-sided Wilson upper bound (z = 1) of each rate must be within its limit;
+- ``erode``: the point's neighbours with a one-step lower threshold and a one-step lower
+  margin (which fire more) must be within the limits too.
+
+Rules with ``+tuned`` use the set's tuned model from the ``make quality`` cache (tuned on first
+use). Writes ``benchmarks/results/calibration_trial.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
+from capd.calibrate import Grid, grid_for, split, sweep
+from capd.encoder import open_encoder
+from capd.evaluation import ScoreTable, score_table
+from capd.fixtures import load_fixtures
+from capd.settings import Settings
+
+MODES = ("plain", "spare", "wilson", "erode")
+
+
+def wilson_upper(rate: np.ndarray, n: int, z: float = 1.0) -> np.ndarray:
+    if n == 0:
+        return rate
+    centre = rate + z * z / (2 * n)
+    spread = z * np.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n))
+    return np.asarray((centre + spread) / (1 + z * z / n))
+
+
+def feasible(table: ScoreTable, grid: Grid, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(fired_right, mask of the points the mode accepts), both [thresholds, margins]."""
+    right, wrong, null = sweep(table, grid)
+    nulls, positives = int((~table.positive).sum()), max(int(table.positive.sum()), 1)
+    max_null, max_wrong = LIMITS["max_null_fpr"] + 1e-9, LIMITS["max_wrong"] + 1e-9
+    if mode == "spare":
+        ok = (null + (1 / nulls if nulls else 0.0) <= max_null) & (wrong + 1 / positives <= max_wrong)
+    elif mode == "wilson":
+        ok = (wilson_upper(null, nulls) <= max_null) & (wilson_upper(wrong, positives) <= max_wrong)
+    else:
+        ok = (null <= max_null) & (wrong <= max_wrong)
+    if mode == "erode":
+        inner = ok.copy()
+        inner[0, :] = False
+        inner[1:, :] &= ok[:-1, :]
+        inner[:, 1:] &= ok[:, :-1]
+        ok = inner
+    return right, ok
+
+
+def choose(tables: dict[int, ScoreTable], grid: Grid, mode: str) -> tuple[int, float, float, float] | None:
+    """(top_k, threshold, margin, fit fired_right) with the most fired_right the mode accepts."""
+    best: tuple[int, float, float, float] | None = None
+    for top_k, table in tables.items():
+        right, ok = feasible(table, grid, mode)
+        score = np.where(ok, right, -1.0)
+        t, m = np.unravel_index(int(np.argmax(score)), score.shape)
+        if score[t, m] >= 0 and (best is None or score[t, m] > best[3]):
+            best = (top_k, float(grid.thresholds[t]), float(grid.margins[m]), round(float(score[t, m]), 4))
+    return best
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", default=",".join(SETS))
+    parser.add_argument("--rules", default="fused,anchor,fused+tuned,anchor+tuned")
+    parser.add_argument("--out", type=Path, default=RESULTS / "calibration_trial.json")
+    args = parser.parse_args(argv)
+    found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
+    report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
+    with tempfile.TemporaryDirectory(prefix="capd-calibration-") as scratch:
+        bench = Bench(encoder, Path(scratch), manifest_info()["gates"], tuned_root=CACHE / "tuned")
+        for evalset in found:
+            fixtures = load_fixtures(evalset.fixture_files)
+            fit_rows, held_rows = split(fixtures)
+            for rule in args.rules.split(","):
+                base = rule.removesuffix("+tuned")
+                service = bench.service(evalset.tap, base, tuned_as=evalset.name if rule != base else None)
+                try:
+                    vectors = bench.vectors(service, fixtures)
+                    grid = grid_for(base)
+                    tables = {k: score_table(service.router, fixtures, top_k=k, vectors=vectors) for k in grid.top_ks}
+                    for mode in MODES:
+                        point = choose({k: t.subset(fit_rows) for k, t in tables.items()}, grid, mode)
+                        held = None if point is None else gated(tables[point[0]], held_rows, point[1], point[2])
+                        within = held is not None and (held.get("null_fpr") or 0) <= LIMITS["max_null_fpr"] + 1e-9 \
+                            and held["fired_wrong"] <= LIMITS["max_wrong"] + 1e-9
+                        report["results"].append({"set": evalset.name, "rule": rule, "mode": mode, "point": point,
+                                                  "held_out": held, "within_limits": within})
+                        print(f"{evalset.name:20s} {rule:13s} {mode:7s} " + ("no feasible point" if held is None else
+                              f"fired_right={held['fired_right']:.3f} fired_wrong={held['fired_wrong']:.3f} "
+                              f"null_fpr={held.get('null_fpr')} {'within' if within else 'OVER'}"), flush=True)
+                finally:
+                    service.close()
+    for mode in MODES:
+        rows = [r for r in report["results"] if r["mode"] == mode]
+        mean = np.mean([r["held_out"]["fired_right"] if r["held_out"] else 0.0 for r in rows])
+        print(f"{mode:7s}: held-out within the limits on {sum(r['within_limits'] for r in rows)} of {len(rows)}; "
+              f"mean fired_right {mean:.3f} (no feasible point counts as 0)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
