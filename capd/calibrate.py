@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,14 +87,23 @@ def sweep(table: ScoreTable, grid: Grid) -> tuple[np.ndarray, np.ndarray, np.nda
     return right, wrong, null
 
 
+Accept = Callable[[ScoreTable, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
 def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: float,
-               grid: Grid = COSINE_GRID) -> tuple[Point | None, list[Point]]:
-    """The recommended point and the operating curve (best point per threshold) over all top_k."""
+               grid: Grid = COSINE_GRID, accept: Accept | None = None) -> tuple[Point | None, list[Point]]:
+    """The recommended point and the operating curve (best point per threshold) over all top_k.
+
+    ``accept(table, fired_right, fired_wrong, null_fpr)`` replaces the limits test with another
+    mask over the grid (the research harness ``benchmarks/quality/calibration_trial.py``)."""
     best: Point | None = None
     curve: dict[float, Point] = {}
     for top_k, table in tables.items():
         right, wrong, null = sweep(table, grid)
-        ok = (null <= max_null_fpr + 1e-9) & (wrong <= max_wrong + 1e-9)
+        if accept is None:
+            ok = (null <= max_null_fpr + 1e-9) & (wrong <= max_wrong + 1e-9)
+        else:
+            ok = accept(table, right, wrong, null)
         score = np.where(ok, right, -1.0)
         for t_index, threshold in enumerate(grid.thresholds):
             m_index = int(np.argmax(score[t_index]))

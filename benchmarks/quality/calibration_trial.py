@@ -22,13 +22,14 @@ import argparse
 import json
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
-from capd.calibrate import Grid, grid_for, split, sweep
+from capd.calibrate import Grid, best_point, grid_for, split, sweep
 from capd.encoder import open_encoder
 from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import load_fixtures
@@ -45,9 +46,8 @@ def wilson_upper(rate: np.ndarray, n: int, z: float = 1.0) -> np.ndarray:
     return np.asarray((centre + spread) / (1 + z * z / n))
 
 
-def feasible(table: ScoreTable, grid: Grid, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """(fired_right, mask of the points the mode accepts), both [thresholds, margins]."""
-    right, wrong, null = sweep(table, grid)
+def accept(mode: str, table: ScoreTable, right: np.ndarray, wrong: np.ndarray, null: np.ndarray) -> np.ndarray:
+    """The points ``mode`` accepts, [thresholds, margins] (``capd.calibrate.best_point``'s ``accept``)."""
     nulls, positives = int((~table.positive).sum()), max(int(table.positive.sum()), 1)
     max_null, max_wrong = LIMITS["max_null_fpr"] + 1e-9, LIMITS["max_wrong"] + 1e-9
     if mode == "spare":
@@ -62,19 +62,19 @@ def feasible(table: ScoreTable, grid: Grid, mode: str) -> tuple[np.ndarray, np.n
         inner[1:, :] &= ok[:-1, :]
         inner[:, 1:] &= ok[:, :-1]
         ok = inner
-    return right, ok
+    return np.asarray(ok)
+
+
+def feasible(table: ScoreTable, grid: Grid, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(fired_right, mask of the points the mode accepts), both [thresholds, margins]."""
+    right, wrong, null = sweep(table, grid)
+    return right, accept(mode, table, right, wrong, null)
 
 
 def choose(tables: dict[int, ScoreTable], grid: Grid, mode: str) -> tuple[int, float, float, float] | None:
-    """(top_k, threshold, margin, fit fired_right) with the most fired_right the mode accepts."""
-    best: tuple[int, float, float, float] | None = None
-    for top_k, table in tables.items():
-        right, ok = feasible(table, grid, mode)
-        score = np.where(ok, right, -1.0)
-        t, m = np.unravel_index(int(np.argmax(score)), score.shape)
-        if score[t, m] >= 0 and (best is None or score[t, m] > best[3]):
-            best = (top_k, float(grid.thresholds[t]), float(grid.margins[m]), round(float(score[t, m]), 4))
-    return best
+    """(top_k, threshold, margin, fit fired_right): ``capd calibrate``'s choice among the points the mode accepts."""
+    point, _ = best_point(tables, LIMITS["max_null_fpr"], LIMITS["max_wrong"], grid, partial(accept, mode))
+    return None if point is None else (point.top_k, point.threshold, point.margin, point.fired_right)
 
 
 def main(argv: list[str]) -> dict[str, Any]:
