@@ -10,6 +10,9 @@ worker thread owns the model. Policy:
 - under concurrent load (the previous call carried more than one request) the worker
   waits for more requests, but never past ``max_wait_s`` (2 ms) after the oldest one arrived.
 
+A request may also ask for token vectors (:meth:`MicroBatcher.embed_tokens`); a batch holding
+one such request makes the one model call that returns both.
+
 Results are handed back through futures, so :meth:`MicroBatcher.aembed` awaits without
 blocking an event loop.
 """
@@ -28,16 +31,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from capd.encoder import Encoder, Vectors
+from capd.encoder import Encoder, TokenVectors, Vectors
 from capd.errors import ModelError
 
 log = logging.getLogger(__name__)
 
 
+Embedded = tuple[Vectors, TokenVectors]  # token vectors only when the request asked for them
+
+
 @dataclass
 class _Request:
     texts: list[str]
-    future: Future[Vectors] = field(default_factory=Future)
+    tokens: bool = False
+    future: Future[Embedded] = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -71,25 +78,32 @@ class MicroBatcher:
     def dim(self) -> int:
         return self.encoder.dim
 
-    def submit(self, texts: Sequence[str]) -> Future[Vectors]:
-        """Queue texts for embedding; the future resolves to their vectors."""
+    def submit(self, texts: Sequence[str], tokens: bool = False) -> Future[Embedded]:
+        """Queue texts for embedding; the future resolves to their vectors and (with ``tokens``)
+        their token vectors, else an empty list."""
         if isinstance(texts, str):
             raise TypeError("embed() takes a sequence of texts, not one string")
-        request = _Request(list(texts))
+        request = _Request(list(texts), tokens)
         with self._gate:  # nothing is queued behind the stop marker
             if self._closed:
                 raise ModelError("the encoder has been closed")
             if request.texts:
                 self._queue.put(request)
         if not request.texts:
-            request.future.set_result(np.zeros((0, self.dim), dtype=np.float32))
+            request.future.set_result((np.zeros((0, self.dim), dtype=np.float32), []))
         return request.future
 
     def embed(self, texts: Sequence[str]) -> Vectors:
-        return self.submit(texts).result()
+        return self.submit(texts).result()[0]
+
+    def embed_tokens(self, texts: Sequence[str]) -> Embedded:
+        return self.submit(texts, tokens=True).result()
 
     async def aembed(self, texts: Sequence[str]) -> Vectors:
-        return await asyncio.wrap_future(self.submit(texts))
+        return (await asyncio.wrap_future(self.submit(texts)))[0]
+
+    async def aembed_tokens(self, texts: Sequence[str]) -> Embedded:
+        return await asyncio.wrap_future(self.submit(texts, tokens=True))
 
     def close(self) -> None:
         """Finish queued work, stop the worker; later calls raise :class:`ModelError`."""
@@ -156,8 +170,12 @@ class MicroBatcher:
         if not batch:
             return
         texts = [t for request in batch for t in request.texts]
+        tokens: TokenVectors = []
         try:
-            vectors = self.encoder.embed(texts)
+            if any(request.tokens for request in batch):
+                vectors, tokens = self.encoder.embed_tokens(texts)
+            else:
+                vectors = self.encoder.embed(texts)
         except BaseException as exc:  # every caller of this batch gets the model's error
             for request in batch:
                 request.future.set_exception(exc)
@@ -168,8 +186,9 @@ class MicroBatcher:
             self._busy = len(batch) > 1
         offset = 0
         for request in batch:
-            request.future.set_result(vectors[offset:offset + len(request.texts)])
-            offset += len(request.texts)
+            end = offset + len(request.texts)
+            request.future.set_result((vectors[offset:end], tokens[offset:end] if request.tokens else []))
+            offset = end
 
 
 async def aembed(encoder: Encoder, texts: Sequence[str]) -> Vectors:
@@ -178,3 +197,10 @@ async def aembed(encoder: Encoder, texts: Sequence[str]) -> Vectors:
     if isinstance(encoder, MicroBatcher):
         return await encoder.aembed(texts)
     return await asyncio.to_thread(encoder.embed, texts)
+
+
+async def aembed_tokens(encoder: Encoder, texts: Sequence[str]) -> Embedded:
+    """:func:`aembed` with token vectors (:meth:`Encoder.embed_tokens`)."""
+    if isinstance(encoder, MicroBatcher):
+        return await encoder.aembed_tokens(texts)
+    return await asyncio.to_thread(encoder.embed_tokens, texts)

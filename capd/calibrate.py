@@ -124,9 +124,9 @@ def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: fl
 def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float = 0.05,
               max_wrong: float = 0.03) -> dict[str, Any]:
     fit_rows, held_rows = split(fixtures)
-    vectors = embed_fixtures(router, fixtures)
+    vectors, tokens = embed_fixtures(router, fixtures)
     grid = grid_for(router.rule)
-    full = {k: score_table(router, fixtures, top_k=k, vectors=vectors) for k in grid.top_ks}
+    full = {k: score_table(router, fixtures, top_k=k, vectors=vectors, tokens=tokens) for k in grid.top_ks}
     fit = {k: t.subset(fit_rows) for k, t in full.items()}
     point, curve = best_point(fit, max_null_fpr, max_wrong, grid)
     report: dict[str, Any] = {

@@ -14,6 +14,11 @@ Three implementations of one narrow :class:`Encoder` interface:
   ``Settings(model="hash")`` (a model name rather than a backend, because it replaces the
   model, and the backend setting stays one of the real backends).
 
+Besides one pooled vector per text, every encoder gives, from the same forward pass, each
+text's *token vectors* (:meth:`Encoder.embed_tokens`: the contextual vectors of its word
+pieces, special tokens dropped, each L2-normalised). The ``fused`` rule's second stage
+re-scores its nearest candidates by late interaction over them (:mod:`capd.fused`).
+
 ``model_id`` names everything that shapes a vector: the manifest name (or directory), the
 weights' sha256, backend, pooling, normalisation, max_seq_length, query_prefix and
 :data:`RECIPE_VERSION`. The vector cache keys on it, so changing any of them re-embeds.
@@ -47,6 +52,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 Vectors = npt.NDArray[np.float32]
+TokenVectors = list[Vectors]  # per text: [tokens, dim], unit rows
 
 RECIPE_VERSION = 1  # bump when pooling / tokenisation code changes what a vector is
 HASH_RECIPE = 1
@@ -64,6 +70,10 @@ class Encoder(Protocol):
     def dim(self) -> int: ...
 
     def embed(self, texts: Sequence[str]) -> Vectors: ...
+
+    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, TokenVectors]:
+        """:meth:`embed` and each text's unit token vectors, from one forward pass."""
+        ...
 
 
 def model_identity(label: str, weights_sha: str, backend: str, pooling: str, normalize: bool,
@@ -86,6 +96,16 @@ def _check_texts(texts: Sequence[str]) -> list[str]:
 def l2_normalize(vectors: npt.NDArray[Any]) -> Vectors:
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     return np.asarray(vectors / np.maximum(norms, 1e-12), dtype=np.float32)
+
+
+def token_rows(hidden: npt.NDArray[Any], mask: npt.NDArray[Any]) -> TokenVectors:
+    """Per text, the unit vectors of its real tokens (the first and last, [CLS] and [SEP], dropped
+    when there is anything between them)."""
+    out = []
+    for states, keep in zip(hidden, mask, strict=True):
+        rows = np.asarray(states[np.asarray(keep, dtype=bool)], dtype=np.float32)
+        out.append(l2_normalize(rows[1:-1] if len(rows) > 2 else rows))
+    return out
 
 
 def pool(hidden: npt.NDArray[Any], mask: npt.NDArray[Any], pooling: str) -> Vectors:
@@ -124,12 +144,15 @@ class HashEncoder(_ModelEncoder):
         self._model_id = f"hash-{dim}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
 
     def _vector(self, text: str) -> Vectors:
-        vector = np.zeros(self._dim, dtype=np.float32)
         features: list[tuple[str, float]] = []
         for word in self._WORD.findall(text.lower()):
             features.append(("w:" + word, 1.0))
             padded = f"#{word}#"
             features.extend(("c:" + padded[i:i + 3], 0.5) for i in range(len(padded) - 2))
+        return self._hashed(features)
+
+    def _hashed(self, features: list[tuple[str, float]]) -> Vectors:
+        vector = np.zeros(self._dim, dtype=np.float32)
         for feature, weight in features or [("<empty>", 1.0)]:
             digest = hashlib.blake2b(feature.encode("utf-8"), digest_size=8).digest()
             index = int.from_bytes(digest[:4], "little") % self._dim
@@ -142,6 +165,14 @@ class HashEncoder(_ModelEncoder):
             return np.zeros((0, self._dim), dtype=np.float32)
         matrix = np.stack([self._vector(t) for t in items])
         return l2_normalize(matrix) if self._normalize else matrix
+
+    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, TokenVectors]:
+        """:meth:`embed` (so subclasses that wrap it still see every call) and one hashed
+        vector per word as the "tokens"."""
+        vectors = self.embed(texts)
+        tokens = [l2_normalize(np.stack([self._hashed([("w:" + w, 1.0)]) for w in self._WORD.findall(t.lower())]
+                                        or [self._hashed([])])) for t in _check_texts(texts)]
+        return vectors, tokens
 
 
 class OnnxEncoder(_ModelEncoder):
@@ -199,15 +230,27 @@ class OnnxEncoder(_ModelEncoder):
                        **kwargs)
 
     def embed(self, texts: Sequence[str]) -> Vectors:
+        return self._embed(texts, tokens=False)[0]
+
+    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, TokenVectors]:
+        return self._embed(texts, tokens=True)
+
+    def _embed(self, texts: Sequence[str], tokens: bool) -> tuple[Vectors, TokenVectors]:
         items = [self._prefix + t for t in _check_texts(texts)]
         out = np.empty((len(items), self._dim), dtype=np.float32)
+        rows: TokenVectors = [out[:0]] * len(items)
         order = sorted(range(len(items)), key=lambda i: len(items[i]))  # similar lengths pad less
         for start in range(0, len(order), self._batch):
             chunk = order[start:start + self._batch]
-            out[chunk] = self._run([items[i] for i in chunk])
-        return l2_normalize(out) if self._normalize and len(items) else out
+            hidden, mask = self._run([items[i] for i in chunk])
+            out[chunk] = pool(hidden, mask, self._pooling)
+            if tokens:
+                for i, matrix in zip(chunk, token_rows(hidden, mask), strict=True):
+                    rows[i] = matrix
+        return (l2_normalize(out) if self._normalize and len(items) else out), rows if tokens else []
 
-    def _run(self, texts: list[str]) -> Vectors:
+    def _run(self, texts: list[str]) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """The last hidden states ``[batch, tokens, dim]`` and the attention mask."""
         encodings = self._tokenizer.encode_batch(texts)
         arrays = {
             "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
@@ -215,7 +258,7 @@ class OnnxEncoder(_ModelEncoder):
             "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
         }
         hidden = self._session.run(["last_hidden_state"], {name: arrays[name] for name in self._inputs})[0]
-        return pool(np.asarray(hidden), arrays["attention_mask"], self._pooling)
+        return np.asarray(hidden), arrays["attention_mask"]
 
 
 class TorchEncoder(_ModelEncoder):
@@ -245,15 +288,23 @@ class TorchEncoder(_ModelEncoder):
         self._batch = batch_size
 
     def embed(self, texts: Sequence[str]) -> Vectors:
+        return self._embed(texts, tokens=False)[0]
+
+    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, TokenVectors]:
+        return self._embed(texts, tokens=True)
+
+    def _embed(self, texts: Sequence[str], tokens: bool) -> tuple[Vectors, TokenVectors]:
         items = [self._prefix + t for t in _check_texts(texts)]
         if not items:
-            return np.zeros((0, self._dim), dtype=np.float32)
+            return np.zeros((0, self._dim), dtype=np.float32), []
         with self._lock:
-            tokens = self._model.encode(items, output_value="token_embeddings", convert_to_numpy=False,
+            states = self._model.encode(items, output_value="token_embeddings", convert_to_numpy=False,
                                         batch_size=self._batch, show_progress_bar=False)
-        rows = [t[0] if self._pooling == "cls" else t.mean(dim=0) for t in tokens]
-        out = np.stack([r.float().cpu().numpy() for r in rows]).astype(np.float32)
-        return l2_normalize(out) if self._normalize else out
+        hidden = [t.float().cpu().numpy() for t in states]  # each [real tokens, dim]: padding already cut
+        rows = [h[0] if self._pooling == "cls" else h.mean(axis=0) for h in hidden]
+        out = np.stack(rows).astype(np.float32)
+        matrices = [token_rows(h[None], np.ones((1, len(h))))[0] for h in hidden] if tokens else []
+        return (l2_normalize(out) if self._normalize else out), matrices
 
 
 def resolve_backend(settings_backend: str, manifest_backend: str) -> str:

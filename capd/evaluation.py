@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from capd.encoder import TokenVectors
 from capd.fixtures import Fixture
 from capd.router import Router
 from capd.text import clean_message
@@ -70,19 +71,29 @@ def _texts(router: Router, fixtures: Sequence[Fixture]) -> list[str]:
     return [clean_message(f.message, router.min_chars)[0] for f in fixtures]
 
 
-def embed_fixtures(router: Router, fixtures: Sequence[Fixture]) -> np.ndarray:
-    """The vectors of the cleaned fixture messages (embedded once, then scored any number of ways)."""
-    return router.encoder.embed(_texts(router, fixtures))
+def embed_fixtures(router: Router, fixtures: Sequence[Fixture]) -> tuple[np.ndarray, TokenVectors | None]:
+    """The vectors of the cleaned fixture messages (embedded once, then scored any number of
+    ways) and, for the ``fused`` rule, their token vectors from the same model call."""
+    texts = _texts(router, fixtures)
+    if router.rule == "fused":
+        return router.encoder.embed_tokens(texts)
+    return router.encoder.embed(texts), None
 
 
 def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None = None,
-                vectors: np.ndarray | None = None) -> ScoreTable:
-    """Every fixture scored by the router's rule (``top_k`` applies to the cosine rules only)."""
+                vectors: np.ndarray | None = None, tokens: TokenVectors | None = None) -> ScoreTable:
+    """Every fixture scored by the router's rule (``top_k`` applies to the cosine rules only).
+
+    ``vectors`` and ``tokens`` come from :func:`embed_fixtures`; ``fused`` given vectors
+    without tokens embeds the messages again for them."""
     if vectors is None:
-        vectors = embed_fixtures(router, fixtures)
+        vectors, tokens = embed_fixtures(router, fixtures)
     levels = None
     if router.rule == "fused":
-        names, fused_scores = router.fused_scores(vectors, _texts(router, fixtures))
+        texts = _texts(router, fixtures)
+        if tokens is None:
+            tokens = router.encoder.embed_tokens(texts)[1]
+        names, fused_scores = router.fused_scores(vectors, texts, tokens)
         scores, levels = fused_scores.fused, fused_scores.level
     else:
         names, scores = router.index.named_scores(vectors, top_k or router.top_k)

@@ -13,7 +13,16 @@ three things (measured one by one in ``benchmarks/quality/README.md``):
    tap's own triggers are its training data), ``K`` is the anchor's mean-of-top-3 over the
    examples, and BM25 scores the message's words against one document per capability
    (names and products that embeddings blur).
-3. **Gates**: ``level = K_w − μ_in[w]`` (how close the message is to the winner compared
+3. **Second stage** (near ties): the :data:`RESCORE_CANDIDATES` best capabilities by ``F``
+   are re-scored by late interaction: for each of their examples, the mean over the
+   message's token vectors of the best cosine to one of the example's token vectors
+   ("MaxSim"), then the mean of the top-k examples per capability, ``R``. Each candidate's
+   ``F`` moves by ``RESCORE_WEIGHT·(R − max R)`` (the best-matching candidate keeps its
+   score, the others drop by how much worse they match word by word). Pooled sentence
+   vectors blur which words carry the request; token vectors keep them. The examples' token
+   vectors are computed once and cached with the head (``float16`` on disk; over
+   :data:`TOKEN_BUDGET` rows there is no second stage, logged).
+4. **Gates**: ``level = K_w − μ_in[w]`` (how close the message is to the winner compared
    with how close the winner's own examples are to each other) must reach ``threshold``,
    and ``gap = F_w − F_second`` (a log-odds margin) must reach ``margin``.
 
@@ -29,9 +38,10 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +49,9 @@ import numpy.typing as npt
 log = logging.getLogger(__name__)
 
 Floats = npt.NDArray[np.float32]
+Ints = npt.NDArray[np.int64]
+TokenVectors = list[Floats]  # per text: [tokens, dim] unit rows (capd.encoder.TokenVectors)
+EmbedTokens = Callable[[Sequence[str]], tuple[Floats, TokenVectors]]  # Encoder.embed_tokens
 
 MIX = 0.85  # A: weight of the head against soft nearest neighbours
 TEMPERATURE = 0.05  # τ
@@ -47,8 +60,11 @@ TOP_K = 3
 HEAD_C = 10.0  # inverse L2 strength of the head (scikit-learn's C)
 LEARNED_WEIGHT = 2.0  # a learned correction's weight in the head's fit, against 1 for a trigger
 HEAD_BUDGET = 20_000_000  # examples × capabilities above which no head is fitted
+RESCORE_WEIGHT = 10.0  # β of the second stage, in F's log-odds units per unit of MaxSim
+RESCORE_CANDIDATES = 5
+TOKEN_BUDGET = 100_000  # example token rows kept for the second stage (~150 MB of float32 at dim 384)
 BM25_K1, BM25_B = 1.2, 0.75
-VERSION = "fused-1"  # bump when anything above changes the cached heads
+VERSION = "fused-2"  # bump when anything above changes the cached heads
 
 _WORD = re.compile(r"[a-z0-9]+")
 _STOP_WORDS = """
@@ -128,6 +144,52 @@ class Scores:
 
 
 @dataclass(frozen=True)
+class ExampleTokens:
+    """Every example's token vectors, examples grouped by capability (in the head's column order)."""
+
+    texts: tuple[str, ...]  # [E]
+    rows: Floats  # [T, dim] (float16 in the cache file)
+    starts: Ints  # [E + 1]: example e's tokens are rows[starts[e]:starts[e + 1]]
+    first: Ints  # [C + 1]: capability c's examples are first[c]:first[c + 1]
+
+    @classmethod
+    def build(cls, texts: Sequence[str], labels: Ints, matrices: TokenVectors, columns: int) -> ExampleTokens:
+        """``texts``/``matrices`` per example with its column in ``labels`` (grouped by column)."""
+        if len(labels) and np.any(np.diff(labels) < 0):
+            raise ValueError("examples must be grouped by capability")
+        lengths = np.array([len(m) for m in matrices], dtype=np.int64)
+        if np.any(lengths == 0):
+            raise ValueError("every example needs at least one token vector")
+        dim = matrices[0].shape[1] if matrices else 0
+        # rounded to float16 as the cache file stores them: a restart scores exactly like the first start
+        rows = (np.concatenate(matrices).astype(np.float16).astype(np.float32) if matrices
+                else np.zeros((0, dim), np.float32))
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        first = np.searchsorted(labels, np.arange(columns + 1)).astype(np.int64)
+        return cls(tuple(texts), rows, starts, first)
+
+    def matrices(self) -> dict[str, Floats]:
+        """Example text → its token vectors (to reuse when the examples change a little)."""
+        return {t: self.rows[self.starts[i]:self.starts[i + 1]] for i, t in enumerate(self.texts)}
+
+    def late_interaction(self, message: Floats, columns: Sequence[int], k: int = TOP_K) -> Floats:
+        """``R`` per column: the mean of its top-k examples' MaxSim with the message's tokens."""
+        out = np.full(len(columns), -1.0, dtype=np.float32)
+        if not len(message):
+            return out
+        for i, column in enumerate(columns):
+            a, b = int(self.first[column]), int(self.first[column + 1])
+            if a == b:
+                continue
+            low = self.starts[a]
+            sims = message @ self.rows[low:self.starts[b]].T  # [message tokens, the capability's example tokens]
+            per_example = np.maximum.reduceat(sims, self.starts[a:b] - low, axis=1).mean(axis=0)
+            kk = min(k, b - a)
+            out[i] = float(np.partition(per_example, b - a - kk)[b - a - kk:].mean())
+        return out
+
+
+@dataclass(frozen=True)
 class FusedHead:
     """Everything the fused rule adds on top of the example index, for one set of capabilities."""
 
@@ -136,11 +198,14 @@ class FusedHead:
     weight: Floats | None  # [dim, C]; None when over HEAD_BUDGET
     bias: Floats | None  # [C]
     lexicon: Lexicon
+    tokens: ExampleTokens | None = None  # None: no second stage
     mix: float = MIX
     lexical_weight: float = LEXICAL_WEIGHT
+    rescore_weight: float = RESCORE_WEIGHT
 
-    def score(self, knn: Floats, vectors: Floats, texts: Sequence[str]) -> Scores:
-        """``knn``: mean-of-top-k example cosines ``[n, C]``; ``vectors``: the messages' unit vectors."""
+    def score(self, knn: Floats, vectors: Floats, texts: Sequence[str], tokens: TokenVectors | None = None) -> Scores:
+        """``knn``: mean-of-top-k example cosines ``[n, C]``; ``vectors``: the messages' unit vectors;
+        ``tokens``: their token vectors, for the second stage (without them there is none)."""
         weight, bias = self.weight, self.bias
         with_head = weight is not None and bias is not None and self.mix > 0
         fused = (1 - self.mix if with_head else 1.0) * _log_softmax(knn / TEMPERATURE)
@@ -149,6 +214,8 @@ class FusedHead:
         if self.lexical_weight:
             fused = fused + (self.lexical_weight / TEMPERATURE) * self.lexicon.scores(texts)
         fused = np.asarray(fused, dtype=np.float32)
+        if tokens is not None and self.tokens is not None and self.rescore_weight and fused.shape[1] > 1:
+            fused = self._rescore(fused, tokens, self.tokens)
         n, columns = fused.shape
         winner = fused.argmax(axis=1)
         first = fused[np.arange(n), winner]
@@ -158,6 +225,16 @@ class FusedHead:
             second = np.full(n, -np.inf, dtype=np.float32)
         return Scores(fused, np.asarray(knn - self.in_class, dtype=np.float32), winner.astype(np.int64),
                       np.asarray(first - second, dtype=np.float32))
+
+
+    def _rescore(self, fused: Floats, tokens: TokenVectors, examples: ExampleTokens) -> Floats:
+        out = fused.copy()
+        top = min(RESCORE_CANDIDATES, fused.shape[1])
+        for row, message in enumerate(tokens):
+            candidates = np.argpartition(-fused[row], top - 1)[:top]
+            match = examples.late_interaction(np.asarray(message, dtype=np.float32), candidates.tolist())
+            out[row, candidates] += self.rescore_weight * (match - match.max())
+        return out
 
 
 def in_class_similarity(vectors: Floats, labels: npt.NDArray[np.int64], columns: int, k: int = TOP_K) -> Floats:
@@ -214,17 +291,24 @@ def head_key(model_id: str, names: Sequence[str], fingerprints: Sequence[str]) -
 
 def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors: Floats,
                labels: npt.NDArray[np.int64], key: str, cache_dir: Path | None,
-               learned: Sequence[bool] | None = None) -> FusedHead:
-    """Fit (or load from ``cache_dir``) the head for these examples; ``documents`` feed BM25.
+               learned: Sequence[bool] | None = None,
+               embed_tokens: EmbedTokens | None = None,
+               previous: ExampleTokens | None = None) -> FusedHead:
+    """Fit (or load from ``cache_dir``) the head for these examples; ``documents`` feed BM25
+    and, flattened, are the examples' texts (in ``vectors`` order).
 
     ``learned`` marks the examples that are learned corrections: they weigh
     :data:`LEARNED_WEIGHT` in the head's fit (one correction among a capability's dozen
-    triggers would otherwise barely move it).
+    triggers would otherwise barely move it). ``embed_tokens`` gives texts' token vectors
+    for the second stage (None: no second stage); texts already in ``previous`` are reused.
     """
     columns = len(names)
     weight: Floats | None = None
     bias: Floats | None = None
     in_class: Floats | None = None
+    tokens: ExampleTokens | None = None
+    over_budget = False  # recorded in the cache file, so a restart does not embed them again to find out
+    texts = [t for doc in documents for t in doc]
     path = cache_dir / f"{key}.npz" if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
@@ -232,10 +316,22 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
                 in_class = stored["in_class"]
                 if "weight" in stored:
                     weight, bias = stored["weight"], stored["bias"]
+                if "token_rows" in stored and len(stored["token_starts"]) == len(texts) + 1:
+                    first = np.searchsorted(labels, np.arange(columns + 1)).astype(np.int64)
+                    tokens = ExampleTokens(tuple(texts), stored["token_rows"].astype(np.float32),
+                                           stored["token_starts"], first)
+                over_budget = "over_token_budget" in stored
         except (OSError, ValueError, KeyError) as exc:
             log.warning("ignoring unreadable fused head %s: %s", path, exc)
             in_class = None
-    if in_class is None or in_class.shape != (columns,):
+    stale = in_class is None or in_class.shape != (columns,)
+    fresh_tokens = embed_tokens is not None and tokens is None and not over_budget and len(texts) == len(labels)
+    if fresh_tokens and embed_tokens is not None:
+        tokens = _example_tokens(texts, labels, columns, embed_tokens, previous)
+        over_budget = tokens is None
+    if not stale and fresh_tokens and path is not None and in_class is not None:
+        _store(path, in_class, weight, bias, tokens, over_budget)
+    if stale:
         in_class = in_class_similarity(vectors, labels, columns)
         weight = bias = None
         if len(vectors) * columns <= HEAD_BUDGET and columns > 0:
@@ -245,12 +341,36 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
             log.warning("fused rule: %d examples x %d capabilities is over the head budget (%d); "
                         "ranking on nearest examples and BM25 only", len(vectors), columns, HEAD_BUDGET)
         if path is not None:
-            _store(path, in_class, weight, bias)
-    return FusedHead(tuple(names), in_class, weight, bias, Lexicon(documents))
+            _store(path, in_class, weight, bias, tokens, over_budget)
+    assert in_class is not None
+    return FusedHead(tuple(names), in_class, weight, bias, Lexicon(documents), tokens)
 
 
-def _store(path: Path, in_class: Floats, weight: Floats | None, bias: Floats | None) -> None:
-    arrays = {"in_class": in_class} if weight is None else {"in_class": in_class, "weight": weight, "bias": bias}
+def _example_tokens(texts: Sequence[str], labels: Ints, columns: int,
+                    embed_tokens: EmbedTokens,
+                    previous: ExampleTokens | None) -> ExampleTokens | None:
+    """The examples' token vectors (reusing ``previous``'s), or None over :data:`TOKEN_BUDGET`."""
+    known = previous.matrices() if previous is not None else {}
+    missing = [t for t in dict.fromkeys(texts) if t not in known]
+    for start in range(0, len(missing) + 1, 256):
+        if start < len(missing):
+            chunk = missing[start:start + 256]
+            known.update(zip(chunk, embed_tokens(chunk)[1], strict=True))
+        if sum(len(known[t]) for t in texts if t in known) > TOKEN_BUDGET:
+            log.warning("fused rule: the examples have over %d token vectors; no second stage", TOKEN_BUDGET)
+            return None
+    return ExampleTokens.build(texts, labels, [known[t] for t in texts], columns)
+
+
+def _store(path: Path, in_class: Floats, weight: Floats | None, bias: Floats | None,
+           tokens: ExampleTokens | None, over_budget: bool = False) -> None:
+    arrays: dict[str, Any] = {"in_class": in_class}
+    if weight is not None and bias is not None:
+        arrays.update(weight=weight, bias=bias)
+    if tokens is not None:
+        arrays.update(token_rows=tokens.rows.astype(np.float16), token_starts=tokens.starts)
+    if over_budget:
+        arrays["over_token_budget"] = np.array(True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")

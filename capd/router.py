@@ -38,7 +38,7 @@ import numpy as np
 
 from capd import fused
 from capd.catalog import Capability, Catalog
-from capd.encoder import Encoder
+from capd.encoder import Encoder, TokenVectors
 from capd.index import TriggerIndex
 from capd.text import clean_message
 
@@ -197,8 +197,10 @@ class Router:
         capability = self.catalog.get(name)
         return self.gates.for_tap(capability.tap if capability else None)
 
-    def fused_scores(self, vectors: np.ndarray, texts: Sequence[str]) -> tuple[tuple[str, ...], fused.Scores]:
-        """The fused rule's scores for many messages; columns follow the returned names."""
+    def fused_scores(self, vectors: np.ndarray, texts: Sequence[str],
+                     tokens: TokenVectors | None = None) -> tuple[tuple[str, ...], fused.Scores]:
+        """The fused rule's scores for many messages; columns follow the returned names.
+        ``tokens`` (the messages' token vectors) turn on the second stage."""
         assert self.head is not None
         names, knn = self.index.named_scores(vectors, fused.TOP_K)
         if names != self.head.names:  # the index moved on under a router about to be replaced
@@ -209,9 +211,17 @@ class Router:
                     aligned[:, column] = knn[:, position[name]]
             knn = aligned
         vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
-        return self.head.names, self.head.score(knn, vectors, texts)
+        return self.head.names, self.head.score(knn, vectors, texts, tokens)
 
-    def rank(self, vector: np.ndarray, limit: int, text: str = "") -> list[tuple[str, float]]:
+    def embed(self, text: str) -> tuple[np.ndarray, TokenVectors | None]:
+        """One cleaned message's vector and, for ``fused``, its token vectors (one model call)."""
+        if self.rule != "fused":
+            return self.encoder.embed([text])[0], None
+        vectors, tokens = self.encoder.embed_tokens([text])
+        return vectors[0], tokens
+
+    def rank(self, vector: np.ndarray, limit: int, text: str = "",
+             tokens: TokenVectors | None = None) -> list[tuple[str, float]]:
         """The best ``limit`` capabilities for one query vector, best first (exact).
 
         Scores are mean-of-top-k cosines, or for ``fused`` each capability's level, in the
@@ -221,7 +231,7 @@ class Router:
         if limit <= 0:
             return []
         if self.rule == "fused":
-            names, scores = self.fused_scores(vector[None, :], [text])
+            names, scores = self.fused_scores(vector[None, :], [text], tokens)
             order = np.argsort(-scores.fused[0], kind="stable")[:limit]
             return [(names[i], float(scores.level[0, i])) for i in order.tolist()]
         return self.index.top_capabilities(vector, self.top_k, limit)
@@ -230,13 +240,15 @@ class Router:
         text, long_enough = clean_message(message, self.min_chars)
         if not long_enough:
             return Decision("skipped", f"too short: fewer than {self.min_chars} characters after removing tags")
-        vector = self.encoder.embed([text])[0]
-        return self.decide(vector, active, text)
+        vector, tokens = self.embed(text)
+        return self.decide(vector, active, text, tokens)
 
-    def decide(self, vector: np.ndarray, active: Collection[str] = (), text: str = "") -> Decision:
-        """The decision for one message's vector; ``text`` (the cleaned message) feeds ``fused``'s BM25."""
+    def decide(self, vector: np.ndarray, active: Collection[str] = (), text: str = "",
+               tokens: TokenVectors | None = None) -> Decision:
+        """The decision for one message's vector; ``text`` (the cleaned message) feeds ``fused``'s
+        BM25 and ``tokens`` (its token vectors, ``[message]``) its second stage."""
         if self.rule == "fused":
-            return self._decide_fused(vector, set(active), text)
+            return self._decide_fused(vector, set(active), text, tokens)
         active_set = set(active)
         extra = len(active_set) if self.rule == "anchor" else 0
         ranked = self.rank(vector, max(DISCOVER_LIMIT, 2) + extra)
@@ -256,10 +268,11 @@ class Router:
             return Decision("abstain", reason, name, score, margin, candidates)
         return Decision("activate", reason, name, score, margin, candidates)
 
-    def _decide_fused(self, vector: np.ndarray, active: set[str], text: str) -> Decision:
+    def _decide_fused(self, vector: np.ndarray, active: set[str], text: str,
+                      tokens: TokenVectors | None) -> Decision:
         if self.index.capability_count == 0:
             return Decision("abstain", "no capability to route to")
-        names, scores = self.fused_scores(vector[None, :], [text])
+        names, scores = self.fused_scores(vector[None, :], [text], tokens)
         order = np.argsort(-scores.fused[0], kind="stable")[:DISCOVER_LIMIT]
         candidates = tuple((names[i], float(scores.level[0, i])) for i in order.tolist())
         name = names[int(scores.winner[0])]
@@ -282,16 +295,17 @@ class Router:
         text, _ = clean_message(intent, 0)
         if not text:
             return []
-        return self.rank(self.encoder.embed([text])[0], limit, text)
+        vector, tokens = self.embed(text)
+        return self.rank(vector, limit, text, tokens)
 
     def explain(self, message: str, limit: int = DISCOVER_LIMIT) -> list[dict[str, Any]]:
         """Per capability (best first): its score and the top-k examples with their cosines."""
         text, _ = clean_message(message, 0)
         if not text:
             return []
-        vector = self.encoder.embed([text])[0]
+        vector, tokens = self.embed(text)
         out = []
-        for name, score in self.rank(vector, limit, text):
+        for name, score in self.rank(vector, limit, text, tokens):
             entry: dict[str, Any] = {"name": name, "score": round(score, 4), "triggers": [
                 {"text": t, "cosine": round(c, 4)} for t, c in self.index.top_triggers(vector, name, self.top_k)]}
             if self.head is not None and name in self.head.names:

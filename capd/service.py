@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capd.batching import MicroBatcher, aembed
+from capd.batching import MicroBatcher, aembed, aembed_tokens
 from capd.catalog import Capability, Catalog, Problem
-from capd.encoder import Encoder, Vectors, open_encoder
+from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import StateError, UnknownCapability
 from capd.fused import FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
@@ -404,14 +404,17 @@ class Service:
 
     def _fused_head(self, examples: Catalog) -> FusedHead:
         """The fused rule's head for the index as it now stands (cached in the data directory)."""
-        assert self.index is not None and self.embedder is not None
+        assert self.index is not None and self.embedder is not None and self.encoder is not None
         names, vectors, labels = self.index.examples()
         key = head_key(self.embedder.model_id, names, [self.index.fingerprint_of(n) or "" for n in names])
         documents = [self.index.triggers(n) for n in names]
         learned = self._learned_examples(examples)
         flags = [text in learned.get(n, ()) for n, texts in zip(names, documents, strict=True) for text in texts]
+        current = self._snapshot.router if self._snapshot is not None else None
+        previous = (current.head.tokens if current is not None and current.head is not None
+                    and current.encoder.model_id == self.encoder.model_id else None)  # not across a model swap
         return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
-                          flags if any(flags) else None)
+                          flags if any(flags) else None, self.encoder.embed_tokens, previous)
 
     def _learned_examples(self, catalog: Catalog) -> dict[str, tuple[str, ...]]:
         """Learned corrections of this catalog's capabilities (those recorded for their tap)."""
@@ -459,8 +462,8 @@ class Service:
         if isinstance(prepared, RouteResult):
             return self._routed(prepared, session, started)
         snapshot, text = prepared
-        vector = snapshot.router.encoder.embed([text])[0]
-        return self._routed(self._decide(snapshot, text, vector, session), session, started)
+        vector, tokens = snapshot.router.embed(text)
+        return self._routed(self._decide(snapshot, text, vector, session, tokens), session, started)
 
     async def aroute(self, message: str, session: str | None = None) -> RouteResult:
         """:meth:`route` for the event loop (``POST /v1/route``): the same result, metrics and
@@ -470,13 +473,18 @@ class Service:
         if isinstance(prepared, RouteResult):
             return self._routed(prepared, session, started)
         snapshot, text = prepared
-        vector = (await aembed(snapshot.router.encoder, [text]))[0]
-        if snapshot.router.index.trigger_count > OFFLOAD_TRIGGERS:
+        router = snapshot.router
+        tokens: TokenVectors | None = None
+        if router.rule == "fused":
+            vectors, tokens = await aembed_tokens(router.encoder, [text])
+        else:
+            vectors = await aembed(router.encoder, [text])
+        if router.index.trigger_count > OFFLOAD_TRIGGERS:
             # Scoring a large index takes milliseconds of numpy (GIL released): in a thread it
             # overlaps other requests' encoding instead of stalling the event loop.
-            result = await asyncio.to_thread(self._decide, snapshot, text, vector, session)
+            result = await asyncio.to_thread(self._decide, snapshot, text, vectors[0], session, tokens)
         else:
-            result = self._decide(snapshot, text, vector, session)
+            result = self._decide(snapshot, text, vectors[0], session, tokens)
         return self._routed(result, session, started)
 
     def _prepare(self, message: str, session: str | None) -> tuple[Snapshot, str] | RouteResult:
@@ -491,12 +499,13 @@ class Service:
             return RouteResult(decision, self._session_plan(session))
         return snapshot, text
 
-    def _decide(self, snapshot: Snapshot, text: str, vector: Vectors, session: str | None) -> RouteResult:
+    def _decide(self, snapshot: Snapshot, text: str, vector: Vectors, session: str | None,
+                tokens: TokenVectors | None = None) -> RouteResult:
         router = snapshot.router
         if session is None or self.registry is None:
-            return RouteResult(router.decide(vector, (), text))
+            return RouteResult(router.decide(vector, (), text, tokens))
         with self.registry.locked(session):
-            decision = router.decide(vector, self.registry.active_names(session), text)
+            decision = router.decide(vector, self.registry.active_names(session), text, tokens)
             if decision.decision == "activate" and decision.capability is not None:
                 plan = self.registry.activate(session, decision.capability, "auto")
             else:

@@ -131,7 +131,7 @@ def test_empty_input_and_close() -> None:
     assert batcher.embed([]).shape == (0, 32) and encoder.batches == []
     future = batcher.submit(["queued before close"])
     batcher.close()
-    assert future.result().shape == (1, 32)  # queued work finishes
+    assert future.result()[0].shape == (1, 32)  # queued work finishes
     with pytest.raises(ModelError):
         batcher.embed(["after close"])
     batcher.close()  # idempotent
@@ -183,3 +183,20 @@ def test_aembed_helper_takes_any_encoder() -> None:
     plain = HashEncoder(dim=32)
     vectors = asyncio.run(aembed(plain, ["a plain encoder runs in a worker thread"]))
     assert np.array_equal(vectors, plain.embed(["a plain encoder runs in a worker thread"]))
+
+
+def test_token_requests_share_a_batch_with_plain_ones() -> None:
+    """A batch that holds one token request makes one model call; each caller gets what it asked for."""
+    encoder = SlowEncoder(seconds=0.05)
+    with MicroBatcher(encoder) as batcher:
+        busy = batcher.submit(["keeps the model busy"])
+        time.sleep(0.01)
+        plain = batcher.submit(["plain request"])
+        with_tokens = batcher.submit(["two words", "three short words"], tokens=True)
+        busy.result()
+        (vectors, tokens), (plain_vectors, plain_tokens) = with_tokens.result(), plain.result()
+    assert encoder.batches[-1] == ["plain request", "two words", "three short words"]
+    assert plain_vectors.shape == (1, 32) and plain_tokens == []
+    assert vectors.shape == (2, 32) and [t.shape for t in tokens] == [(2, 32), (3, 32)]
+    np.testing.assert_allclose(vectors, encoder.embed(["two words", "three short words"]))
+    np.testing.assert_allclose(np.linalg.norm(tokens[1], axis=1), 1.0, rtol=1e-5)

@@ -60,3 +60,18 @@ def test_aroute_while_warming_up(settings_factory: SettingsFactory) -> None:
     result = asyncio.run(service.aroute("please run a query on the postgres database", "s1"))
     assert result.decision.decision == "skipped" and "warming up" in result.decision.reason
     assert result.plan is None
+
+
+def test_aroute_matches_route_with_the_fused_second_stage(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """``fused`` routes with the message's token vectors on both paths (the micro-batcher hands them back)."""
+    services = [Service(settings_factory(taps=(octomind_tap(tmp_path / name),), rule="fused"), sessions=True).start()
+                for name in ("a", "b")]
+    blocking, awaiting = services
+    try:
+        assert awaiting.router.head is not None and awaiting.router.head.tokens is not None
+        for message in MESSAGES:
+            expected = blocking.route(message, "s1")
+            assert asyncio.run(awaiting.aroute(message, "s1")).as_dict() == expected.as_dict(), message
+    finally:
+        for service in services:
+            service.close()

@@ -97,8 +97,10 @@ def main(argv: list[str]) -> dict[str, Any]:
                 service = bench.service(evalset.tap, base, tuned_as=evalset.name if rule != base else None)
                 try:
                     vectors = bench.vectors(service, fixtures)
+                    tokens = bench.tokens(service, fixtures) if base == "fused" else None
                     grid = grid_for(base)
-                    tables = {k: score_table(service.router, fixtures, top_k=k, vectors=vectors) for k in grid.top_ks}
+                    tables = {k: score_table(service.router, fixtures, top_k=k, vectors=vectors, tokens=tokens)
+                              for k in grid.top_ks}
                     for mode in MODES:
                         point = choose({k: t.subset(fit_rows) for k, t in tables.items()}, grid, mode)
                         held = None if point is None else gated(tables[point[0]], held_rows, point[1], point[2])

@@ -43,7 +43,7 @@ import numpy as np
 
 from capd.calibrate import Point, best_point, grid_for, split
 from capd.encoder import Encoder, open_encoder
-from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
+from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
 from capd.models import manifest_for
 from capd.service import Service
@@ -99,6 +99,7 @@ class Bench:
     scratch: Path
     defaults: dict[str, dict[str, float]]
     memo: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    token_memo: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     services: int = 0
     timed: int = TIMED_MESSAGES
     tuned_root: Path | None = None  # where tuned models persist between runs (None: in scratch)
@@ -126,15 +127,26 @@ class Bench:
         return Service(settings, encoder=self.encoder, sessions=sessions).start()
 
     def vectors(self, service: Service, fixtures: Sequence[Fixture]) -> np.ndarray:
+        """The fixtures' vectors (and, kept for :meth:`tokens`, their token vectors): the vectors
+        ``capd calibrate`` scores (:func:`capd.evaluation.embed_fixtures`), from one model call."""
         router = service.router
         model = router.encoder.model_id
         texts = [clean_message(f.message, router.min_chars)[0] for f in fixtures]
-        if not any((model, t) in self.memo for t in texts):  # the call `capd calibrate` makes: the same vectors
-            self.memo.update(zip([(model, t) for t in texts], embed_fixtures(router, fixtures), strict=True))
         missing = [t for t in dict.fromkeys(texts) if (model, t) not in self.memo]
+        if len(missing) == len(set(texts)):  # nothing memoised: the very call (batches) `capd calibrate` makes
+            missing = texts
         if missing:
-            self.memo.update(zip([(model, t) for t in missing], router.encoder.embed(missing), strict=True))
+            vectors, tokens = router.encoder.embed_tokens(missing)
+            self.memo.update(zip([(model, t) for t in missing], vectors, strict=True))
+            self.token_memo.update(zip([(model, t) for t in missing], tokens, strict=True))
         return np.stack([self.memo[model, t] for t in texts])
+
+    def tokens(self, service: Service, fixtures: Sequence[Fixture]) -> list[np.ndarray]:
+        """The fixtures' token vectors (computed by :meth:`vectors`)."""
+        self.vectors(service, fixtures)
+        router = service.router
+        model = router.encoder.model_id
+        return [self.token_memo[model, clean_message(f.message, router.min_chars)[0]] for f in fixtures]
 
 
 def gated(table: ScoreTable, rows: np.ndarray | None, threshold: float, margin: float) -> dict[str, Any]:
@@ -159,11 +171,11 @@ def manifest_info() -> dict[str, Any]:
 
 
 def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.ndarray,
-                  default: dict[str, float]) -> dict[str, Any]:
+                  default: dict[str, float], tokens: list[np.ndarray] | None = None) -> dict[str, Any]:
     """Default, calibrated (fit → held-out) and all-rows gates for the service's rule."""
     router = service.router
     grid = grid_for(router.rule)
-    tables = {k: score_table(router, fixtures, top_k=k, vectors=vectors) for k in grid.top_ks}
+    tables = {k: score_table(router, fixtures, top_k=k, vectors=vectors, tokens=tokens) for k in grid.top_ks}
     fit_rows, held_rows = split(fixtures)
     out: dict[str, Any] = {
         "capabilities": len(router.catalog), "examples": router.index.trigger_count,
@@ -184,19 +196,21 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
 
 
 def timing(bench: Bench, service: Service, fixtures: Sequence[Fixture], vectors: np.ndarray) -> dict[str, float]:
-    """p50 per message, one at a time: scoring an already-embedded vector (the rule's cost) and,
-    for ``fused``, encoding the message (bare encoder and the service's micro-batcher), interleaved
-    so that load from other work on the machine hits all of them alike."""
+    """p50 per message, one at a time: scoring an already-embedded vector (the rule's cost, with
+    ``fused``'s second stage) and, for ``fused``, encoding the message (the bare encoder's vector,
+    and the service's micro-batcher with token vectors, as a route does), interleaved so that load
+    from other work on the machine hits all of them alike."""
     router, encoder = service.router, service.encoder
     assert encoder is not None
     rows = np.linspace(0, len(fixtures) - 1, min(bench.timed, len(fixtures))).astype(int)
     texts = [clean_message(fixtures[i].message, router.min_chars)[0] for i in rows]
     calls: dict[str, Callable[[int], object]] = {
-        "score_ms": (lambda i: router.fused_scores(vectors[rows[i]][None, :], [texts[i]])) if router.rule == "fused"
-        else (lambda i: router.index.named_scores(vectors[rows[i]][None, :], router.top_k))}
+        "score_ms": lambda i: router.index.named_scores(vectors[rows[i]][None, :], router.top_k)}
     if router.rule == "fused":
+        tokens = bench.tokens(service, [fixtures[i] for i in rows])
+        calls["score_ms"] = lambda i: router.fused_scores(vectors[rows[i]][None, :], [texts[i]], [tokens[i]])
         calls["encode_ms"] = lambda i: bench.encoder.embed([texts[i]])
-        calls["service_encode_ms"] = lambda i: encoder.embed([texts[i]])
+        calls["service_encode_ms"] = lambda i: encoder.embed_tokens([texts[i]])
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for warm in (True, False):
         for i in range(min(20, len(rows)) if warm else len(rows)):
@@ -219,9 +233,10 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
         if tuned and service.tuning.status != "ready":
             return {"error": f"the tuned model is not available: {service.tuning.error or service.tuning.status}"}
         vectors = bench.vectors(service, fixtures) if vectors is None else vectors
+        tokens = bench.tokens(service, fixtures)
         fit_rows, held_rows = split(fixtures)
         grid = grid_for("fused")
-        before = score_table(service.router, fixtures, vectors=vectors)
+        before = score_table(service.router, fixtures, vectors=vectors, tokens=tokens)
         # Route every positive first, then correct the misses: each session holds one routed turn, so
         # this is the same as correcting right after each miss, except that no correction is applied
         # (capd applies them about a second after they arrive) while others are still being routed,
@@ -237,7 +252,7 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
             service.registry.activate(f"sim-{i}", fixtures[i].expect[0], "manual")
         learned = service.apply_learned()
         seconds = time.perf_counter() - started
-        after = score_table(service.router, fixtures, vectors=vectors)
+        after = score_table(service.router, fixtures, vectors=vectors, tokens=tokens)
         refit, _ = best_point({grid.top_ks[0]: after.subset(fit_rows)}, grid=grid, **LIMITS)
         out: dict[str, Any] = {
             "routed": len(positives), "corrected": len(misses), "learned": learned, "seconds": round(seconds, 1),
@@ -262,7 +277,8 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = Tr
         service = bench.service(evalset.tap, rule)
         try:
             vectors = bench.vectors(service, fixtures) if vectors is None else vectors
-            result["rules"][rule] = evaluate_rule(service, fixtures, vectors, bench.defaults[rule])
+            tokens = bench.tokens(service, fixtures) if rule == "fused" else None
+            result["rules"][rule] = evaluate_rule(service, fixtures, vectors, bench.defaults[rule], tokens)
             result["timing"][rule] = timing(bench, service, fixtures, vectors)
         finally:
             service.close()
@@ -278,7 +294,8 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = Tr
                 result["tuning"] = service.tuning.as_dict()
                 continue
             tuned = bench.vectors(service, fixtures)
-            result["rules"][f"{rule}+tuned"] = evaluate_rule(service, fixtures, tuned, bench.defaults[rule])
+            tokens = bench.tokens(service, fixtures) if rule == "fused" else None
+            result["rules"][f"{rule}+tuned"] = evaluate_rule(service, fixtures, tuned, bench.defaults[rule], tokens)
             result["tuning"] = {**service.tuning.as_dict(), "trained": tuning_summary(service)}
         finally:
             service.close()
