@@ -124,8 +124,9 @@ def feedback_lines(result: dict[str, Any]) -> list[str]:
 
 def timing_lines(result: dict[str, Any]) -> list[str]:
     lines = ["One message at a time, p50 over up to 200 of the set's messages. *score* = scoring an "
-             "already-embedded message (anchor: `index.named_scores`; fused: `router.fused_scores`); "
-             "*encode* = the bare ONNX encoder and `service.encoder` (micro-batcher) on one message.", "",
+             "already-embedded message (anchor: `index.named_scores`; fused: `router.fused_scores` with its "
+             "second stage); *encode* = the bare ONNX encoder (vector only) and `service.encoder` (micro-batcher, "
+             "vector and token vectors, as a fused route asks) on one message.", "",
              "| set | capabilities | fused examples | encode ms | service.encoder ms | anchor score ms | "
              "fused score ms | fused route / bare encode |", "|---|---|---|---|---|---|---|---|"]
     for name, data in result["sets"].items():
