@@ -31,13 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from capd.encoder import Encoder, TokenVectors, Vectors
+from capd.encoder import Embedded, Encoder, TokenVectors, Vectors
 from capd.errors import ModelError
 
 log = logging.getLogger(__name__)
-
-
-Embedded = tuple[Vectors, TokenVectors]  # token vectors only when the request asked for them
 
 
 @dataclass
@@ -80,7 +77,7 @@ class MicroBatcher:
 
     def submit(self, texts: Sequence[str], tokens: bool = False) -> Future[Embedded]:
         """Queue texts for embedding; the future resolves to their vectors and (with ``tokens``)
-        their token vectors, else an empty list."""
+        their token vectors, else an empty list in their place."""
         if isinstance(texts, str):
             raise TypeError("embed() takes a sequence of texts, not one string")
         request = _Request(list(texts), tokens)

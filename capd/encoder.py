@@ -53,6 +53,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 Vectors = npt.NDArray[np.float32]
 TokenVectors = list[Vectors]  # per text: [tokens, dim], unit rows
+Embedded = tuple[Vectors, TokenVectors]  # what embed_tokens returns
 
 RECIPE_VERSION = 1  # bump when pooling / tokenisation code changes what a vector is
 HASH_RECIPE = 1
@@ -71,7 +72,7 @@ class Encoder(Protocol):
 
     def embed(self, texts: Sequence[str]) -> Vectors: ...
 
-    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, TokenVectors]:
+    def embed_tokens(self, texts: Sequence[str]) -> Embedded:
         """:meth:`embed` and each text's unit token vectors, from one forward pass."""
         ...
 
@@ -166,7 +167,7 @@ class HashEncoder(_ModelEncoder):
         matrix = np.stack([self._vector(t) for t in items])
         return l2_normalize(matrix) if self._normalize else matrix
 
-    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, TokenVectors]:
+    def embed_tokens(self, texts: Sequence[str]) -> Embedded:
         """:meth:`embed` (so subclasses that wrap it still see every call) and one hashed
         vector per word as the "tokens"."""
         vectors = self.embed(texts)
@@ -232,10 +233,10 @@ class OnnxEncoder(_ModelEncoder):
     def embed(self, texts: Sequence[str]) -> Vectors:
         return self._embed(texts, tokens=False)[0]
 
-    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, TokenVectors]:
+    def embed_tokens(self, texts: Sequence[str]) -> Embedded:
         return self._embed(texts, tokens=True)
 
-    def _embed(self, texts: Sequence[str], tokens: bool) -> tuple[Vectors, TokenVectors]:
+    def _embed(self, texts: Sequence[str], tokens: bool) -> Embedded:
         items = [self._prefix + t for t in _check_texts(texts)]
         out = np.empty((len(items), self._dim), dtype=np.float32)
         rows: TokenVectors = [out[:0]] * len(items)
@@ -290,10 +291,10 @@ class TorchEncoder(_ModelEncoder):
     def embed(self, texts: Sequence[str]) -> Vectors:
         return self._embed(texts, tokens=False)[0]
 
-    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, TokenVectors]:
+    def embed_tokens(self, texts: Sequence[str]) -> Embedded:
         return self._embed(texts, tokens=True)
 
-    def _embed(self, texts: Sequence[str], tokens: bool) -> tuple[Vectors, TokenVectors]:
+    def _embed(self, texts: Sequence[str], tokens: bool) -> Embedded:
         items = [self._prefix + t for t in _check_texts(texts)]
         if not items:
             return np.zeros((0, self._dim), dtype=np.float32), []

@@ -46,12 +46,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from capd.encoder import Embedded, TokenVectors
+from capd.index import Ints
+
 log = logging.getLogger(__name__)
 
 Floats = npt.NDArray[np.float32]
-Ints = npt.NDArray[np.int64]
-TokenVectors = list[Floats]  # per text: [tokens, dim] unit rows (capd.encoder.TokenVectors)
-EmbedTokens = Callable[[Sequence[str]], tuple[Floats, TokenVectors]]  # Encoder.embed_tokens
+EmbedTokens = Callable[[Sequence[str]], Embedded]  # Encoder.embed_tokens
 
 MIX = 0.85  # A: weight of the head against soft nearest neighbours
 TEMPERATURE = 0.05  # τ
@@ -155,8 +156,6 @@ class ExampleTokens:
     @classmethod
     def build(cls, texts: Sequence[str], labels: Ints, matrices: TokenVectors, columns: int) -> ExampleTokens:
         """``texts``/``matrices`` per example with its column in ``labels`` (grouped by column)."""
-        if len(labels) and np.any(np.diff(labels) < 0):
-            raise ValueError("examples must be grouped by capability")
         lengths = np.array([len(m) for m in matrices], dtype=np.int64)
         if np.any(lengths == 0):
             raise ValueError("every example needs at least one token vector")
@@ -164,9 +163,16 @@ class ExampleTokens:
         # rounded to float16 as the cache file stores them: a restart scores exactly like the first start
         rows = (np.concatenate(matrices).astype(np.float16).astype(np.float32) if matrices
                 else np.zeros((0, dim), np.float32))
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return cls.from_rows(texts, labels, rows, np.concatenate([[0], np.cumsum(lengths)]), columns)
+
+    @classmethod
+    def from_rows(cls, texts: Sequence[str], labels: Ints, rows: npt.NDArray[np.floating[Any]],
+                  starts: npt.NDArray[np.integer[Any]], columns: int) -> ExampleTokens:
+        """From the stacked rows and each example's first row (as :func:`_store` keeps them)."""
+        if len(labels) and np.any(np.diff(labels) < 0):
+            raise ValueError("examples must be grouped by capability")
         first = np.searchsorted(labels, np.arange(columns + 1)).astype(np.int64)
-        return cls(tuple(texts), rows, starts, first)
+        return cls(tuple(texts), rows.astype(np.float32), starts.astype(np.int64), first)
 
     def matrices(self) -> dict[str, Floats]:
         """Example text → its token vectors (to reuse when the examples change a little)."""
@@ -225,7 +231,6 @@ class FusedHead:
             second = np.full(n, -np.inf, dtype=np.float32)
         return Scores(fused, np.asarray(knn - self.in_class, dtype=np.float32), winner.astype(np.int64),
                       np.asarray(first - second, dtype=np.float32))
-
 
     def _rescore(self, fused: Floats, tokens: TokenVectors, examples: ExampleTokens) -> Floats:
         out = fused.copy()
@@ -317,20 +322,13 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
                 if "weight" in stored:
                     weight, bias = stored["weight"], stored["bias"]
                 if "token_rows" in stored and len(stored["token_starts"]) == len(texts) + 1:
-                    first = np.searchsorted(labels, np.arange(columns + 1)).astype(np.int64)
-                    tokens = ExampleTokens(tuple(texts), stored["token_rows"].astype(np.float32),
-                                           stored["token_starts"], first)
+                    tokens = ExampleTokens.from_rows(texts, labels, stored["token_rows"], stored["token_starts"],
+                                                     columns)
                 over_budget = "over_token_budget" in stored
         except (OSError, ValueError, KeyError) as exc:
             log.warning("ignoring unreadable fused head %s: %s", path, exc)
             in_class = None
     stale = in_class is None or in_class.shape != (columns,)
-    fresh_tokens = embed_tokens is not None and tokens is None and not over_budget and len(texts) == len(labels)
-    if fresh_tokens and embed_tokens is not None:
-        tokens = _example_tokens(texts, labels, columns, embed_tokens, previous)
-        over_budget = tokens is None
-    if not stale and fresh_tokens and path is not None and in_class is not None:
-        _store(path, in_class, weight, bias, tokens, over_budget)
     if stale:
         in_class = in_class_similarity(vectors, labels, columns)
         weight = bias = None
@@ -340,25 +338,30 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
         elif columns > 0:
             log.warning("fused rule: %d examples x %d capabilities is over the head budget (%d); "
                         "ranking on nearest examples and BM25 only", len(vectors), columns, HEAD_BUDGET)
-        if path is not None:
-            _store(path, in_class, weight, bias, tokens, over_budget)
+    fresh_tokens = embed_tokens is not None and tokens is None and not over_budget and len(texts) == len(labels)
+    if embed_tokens is not None and fresh_tokens:
+        tokens = _example_tokens(texts, labels, columns, embed_tokens, previous)
+        over_budget = tokens is None
     assert in_class is not None
+    if path is not None and (stale or fresh_tokens):
+        _store(path, in_class, weight, bias, tokens, over_budget)
     return FusedHead(tuple(names), in_class, weight, bias, Lexicon(documents), tokens)
 
 
-def _example_tokens(texts: Sequence[str], labels: Ints, columns: int,
-                    embed_tokens: EmbedTokens,
+def _example_tokens(texts: Sequence[str], labels: Ints, columns: int, embed_tokens: EmbedTokens,
                     previous: ExampleTokens | None) -> ExampleTokens | None:
     """The examples' token vectors (reusing ``previous``'s), or None over :data:`TOKEN_BUDGET`."""
-    known = previous.matrices() if previous is not None else {}
-    missing = [t for t in dict.fromkeys(texts) if t not in known]
-    for start in range(0, len(missing) + 1, 256):
-        if start < len(missing):
-            chunk = missing[start:start + 256]
-            known.update(zip(chunk, embed_tokens(chunk)[1], strict=True))
-        if sum(len(known[t]) for t in texts if t in known) > TOKEN_BUDGET:
-            log.warning("fused rule: the examples have over %d token vectors; no second stage", TOKEN_BUDGET)
-            return None
+    wanted = dict.fromkeys(texts)
+    known = {t: m for t, m in previous.matrices().items() if t in wanted} if previous is not None else {}
+    missing = [t for t in wanted if t not in known]
+    for start in range(0, len(missing), 256):  # in chunks, to stop early on a huge tap
+        if sum(len(m) for m in known.values()) > TOKEN_BUDGET:
+            break
+        chunk = missing[start:start + 256]
+        known.update(zip(chunk, embed_tokens(chunk)[1], strict=True))
+    if len(known) < len(wanted) or sum(len(known[t]) for t in texts) > TOKEN_BUDGET:
+        log.warning("fused rule: the examples have over %d token vectors; no second stage", TOKEN_BUDGET)
+        return None
     return ExampleTokens.build(texts, labels, [known[t] for t in texts], columns)
 
 

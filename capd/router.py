@@ -37,6 +37,7 @@ from typing import Any, Literal
 import numpy as np
 
 from capd import fused
+from capd.batching import aembed, aembed_tokens
 from capd.catalog import Capability, Catalog
 from capd.encoder import Encoder, TokenVectors
 from capd.index import TriggerIndex
@@ -218,6 +219,13 @@ class Router:
         if self.rule != "fused":
             return self.encoder.embed([text])[0], None
         vectors, tokens = self.encoder.embed_tokens([text])
+        return vectors[0], tokens
+
+    async def aembed(self, text: str) -> tuple[np.ndarray, TokenVectors | None]:
+        """:meth:`embed` from an event loop (awaits the micro-batcher)."""
+        if self.rule != "fused":
+            return (await aembed(self.encoder, [text]))[0], None
+        vectors, tokens = await aembed_tokens(self.encoder, [text])
         return vectors[0], tokens
 
     def rank(self, vector: np.ndarray, limit: int, text: str = "",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capd.batching import MicroBatcher, aembed, aembed_tokens
+from capd.batching import MicroBatcher
 from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import StateError, UnknownCapability
@@ -473,18 +473,13 @@ class Service:
         if isinstance(prepared, RouteResult):
             return self._routed(prepared, session, started)
         snapshot, text = prepared
-        router = snapshot.router
-        tokens: TokenVectors | None = None
-        if router.rule == "fused":
-            vectors, tokens = await aembed_tokens(router.encoder, [text])
-        else:
-            vectors = await aembed(router.encoder, [text])
-        if router.index.trigger_count > OFFLOAD_TRIGGERS:
+        vector, tokens = await snapshot.router.aembed(text)
+        if snapshot.router.index.trigger_count > OFFLOAD_TRIGGERS:
             # Scoring a large index takes milliseconds of numpy (GIL released): in a thread it
             # overlaps other requests' encoding instead of stalling the event loop.
-            result = await asyncio.to_thread(self._decide, snapshot, text, vectors[0], session, tokens)
+            result = await asyncio.to_thread(self._decide, snapshot, text, vector, session, tokens)
         else:
-            result = self._decide(snapshot, text, vectors[0], session, tokens)
+            result = self._decide(snapshot, text, vector, session, tokens)
         return self._routed(result, session, started)
 
     def _prepare(self, message: str, session: str | None) -> tuple[Snapshot, str] | RouteResult:
