@@ -181,10 +181,11 @@ class Service:
         for child in self._tune_child:
             if child.poll() is None:
                 child.kill()
-        if isinstance(self.encoder, MicroBatcher):
-            self.encoder.close()
-        if self.learned is not None:
-            self.learned.close()
+        with self._lock:  # a reload or learning pass already under way finishes before its stores close
+            if isinstance(self.encoder, MicroBatcher):
+                self.encoder.close()
+            if self.learned is not None:
+                self.learned.close()
 
     def _register_gauges(self) -> None:
         self.metrics.gauge("capd_capabilities", "Capabilities in the catalog.", lambda: len(self.catalog_now()))
@@ -397,7 +398,7 @@ class Service:
         """Route with the learned examples recorded so far (blocking); returns how many are in effect."""
         with self._lock:
             snapshot = self._snapshot
-            if snapshot is None or self.learned is None:
+            if snapshot is None or self.learned is None or self._closed:  # a timer that fired as we closed
                 return 0
             self._publish(snapshot.catalog)
             return sum(len(v) for v in self._learned_examples(snapshot.catalog).values())

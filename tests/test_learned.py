@@ -15,8 +15,10 @@ from fastapi.testclient import TestClient
 from capd.api import create_app
 from capd.cli import main
 from capd.learned import Corrections, LearnedStore
+from capd.service import Service
 from capd.settings import Settings, default_taps
-from tests.conftest import isolated_data_dir
+from tests.conftest import SettingsFactory, isolated_data_dir
+from tests.taputil import octomind_tap
 
 CORE = default_taps()[0].absolute()
 MISS = "the thing with the boxes is slow again"  # abstains on taps/core; the user meant docker
@@ -123,3 +125,14 @@ def test_cli_lists_exports_and_forgets(tmp_path: Path) -> None:
     assert forgot.exit_code == 0, forgot.output
     assert json.loads(forgot.output) == {"forgotten": 1, "daemon_reloaded": False}
     assert [e.capability for e in LearnedStore.open(tmp_path).entries()] == ["docker"]
+
+
+def test_a_learning_pass_after_close_does_nothing(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """The learning timer may fire while the service closes: it must not touch the closed stores."""
+    service = Service(settings_factory(taps=(octomind_tap(tmp_path / "tap"),), rule="fused"), sessions=True,
+                      learn=True).start()
+    assert service.registry is not None and service.learned is not None
+    service.route("something the tap cannot place at all", "s")
+    service.registry.activate("s", "filesystem-read", "manual")  # a correction: schedules a learning pass
+    service.close()
+    assert service.apply_learned() == 0
