@@ -78,7 +78,8 @@ def sweep(table: ScoreTable, grid: Grid) -> tuple[np.ndarray, np.ndarray, np.nda
     correct = table.expected[np.arange(len(winner)), winner]
     positive = table.positive
     p, n = max(int(positive.sum()), 1), int((~positive).sum())
-    above = (top1[:, None] >= grid.thresholds[None, :]) & table.routable[:, None]  # [rows, T]
+    routable = table.routable if table.vetoed is None else table.routable & ~table.vetoed
+    above = (top1[:, None] >= grid.thresholds[None, :]) & routable[:, None]  # [rows, T]
     wide = gap[:, None] >= grid.margins[None, :]  # [rows, M]
     fired = above[:, :, None] & wide[:, None, :]  # [rows, T, M]
     right = np.tensordot((positive & correct).astype(np.float32), fired, axes=1) / p

@@ -20,7 +20,8 @@ TOOL_SCHEMA: dict[str, Any] = {
     "description": (
         "Manage which tool groups (capabilities) are loaded in this conversation. "
         "Use 'discover' with an intent to find the right capability, 'enable' to load it, "
-        "'disable' to unload one you no longer need, 'list' to see what exists and what is active."
+        "'disable' to unload one you no longer need (or one loaded by mistake for this message: "
+        "capd learns from that), 'list' to see what exists and what is active."
     ),
     "parameters": {
         "type": "object",

@@ -40,6 +40,7 @@ class ScoreTable:
     routable: np.ndarray  # bool [rows]: passed the short-input gate
     expected: np.ndarray  # bool [rows, capabilities]
     levels: np.ndarray | None = None  # [rows, capabilities]: what the threshold reads, when not ``scores``
+    vetoed: np.ndarray | None = None  # bool [rows]: a learned abstain vetoes the row's winner (router.Vetoes)
 
     @property
     def positive(self) -> np.ndarray:
@@ -64,7 +65,8 @@ class ScoreTable:
 
     def subset(self, rows: np.ndarray) -> ScoreTable:
         return ScoreTable(tuple(self.fixtures[i] for i in rows), self.names, self.scores[rows], self.routable[rows],
-                          self.expected[rows], None if self.levels is None else self.levels[rows])
+                          self.expected[rows], None if self.levels is None else self.levels[rows],
+                          None if self.vetoed is None else self.vetoed[rows])
 
 
 def _texts(router: Router, fixtures: Sequence[Fixture]) -> list[str]:
@@ -105,7 +107,12 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
         for name in fixture.expect:
             if name in position:
                 expected[row, position[name]] = True
-    return ScoreTable(tuple(fixtures), names, np.asarray(scores, dtype=np.float32), routable, expected, levels)
+    scores = np.asarray(scores, dtype=np.float32)
+    vetoed = None
+    if len(router.vetoes) and len(names):
+        winners = [names[i] for i in scores.argmax(axis=1).tolist()]
+        vetoed = np.array([r is not None for r in router.refusals(vectors, winners)], dtype=bool)
+    return ScoreTable(tuple(fixtures), names, scores, routable, expected, levels, vetoed)
 
 
 def gate_arrays(router: Router, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -131,6 +138,8 @@ def apply_gates(table: ScoreTable, threshold: np.ndarray | float, margin: np.nda
     thr = threshold[winner] if isinstance(threshold, np.ndarray) else threshold
     mar = margin[winner] if isinstance(margin, np.ndarray) else margin
     fired = table.routable & (top1 >= thr) & (gap >= mar)
+    if table.vetoed is not None:
+        fired &= ~table.vetoed
     correct = table.expected[np.arange(len(winner)), winner]
     return Outcome(winner, fired, correct, top1, gap)
 

@@ -1,19 +1,31 @@
-"""Learning from corrections: a manual enable shortly after a miss teaches the router.
+"""Learning from corrections: what an agent does right after a routing decision teaches the router.
 
-When an agent manually enables capability X in a session within :data:`WINDOW` routed
-turns after a message that abstained, or activated (or found already active) another
-capability, capd records *(that message → X)* for X's tap. Learned examples:
+Two corrections are recorded for a capability's tap, each keyed by the routed message:
+
+- **trigger**: the agent manually enables capability X within :data:`WINDOW` routed turns
+  after a message that abstained, or activated (or found already active) another capability:
+  *(that message → X)*. It counts as an extra trigger of X.
+- **abstain**: the agent manually disables capability Y right after the message that
+  activated it (no other message routed in between): *(that message ↛ Y)*. Y is then vetoed
+  for any message at least as close to a refused message as to Y's own examples
+  (:class:`capd.router.Vetoes`): the agent said no to a message like this one. Disabling Y
+  later (after another message, e.g. because the work is done) teaches nothing.
+
+A later correction of the same (capability, message) replaces the earlier one. Learned entries:
 
 - live in the data directory (``learned.sqlite3``), never in the tap;
-- count as extra triggers of X for the ``capd`` and ``fused`` rules (never for ``anchor``,
-  which stays the reference), applied shortly after they are recorded;
-- are listed, forgotten and exported as suggested triggers by ``capd learned``.
+- are used by the ``capd`` and ``fused`` rules (never by ``anchor``, which stays the
+  reference), applied shortly after they are recorded;
+- are listed, forgotten and exported (triggers as suggested triggers, abstains as messages
+  to review) by ``capd learned``.
 
 Decisions where the issue is silent: only the most recent qualifying turn is taken (a
-manual enable corrects one message); a turn is used once; turns that were ``skipped``
-(too short) are passed over; a turn that routed to X itself means there is nothing to
-learn; the recent turns are kept in memory, so a restart forgets them (not the learned
-examples). A data directory that cannot be written keeps learned examples in memory.
+manual enable corrects one message); a turn is used once, except that a refused turn can
+still be corrected by an enable (*message → X* after Y was refused; enabling Y itself again
+records *message → Y*, so the agent's last word wins); turns that
+were ``skipped`` (too short) are passed over; a turn that routed to X itself means there is
+nothing to learn; the recent turns are kept in memory, so a restart forgets them (not the
+learned entries). A data directory that cannot be written keeps learned entries in memory.
 """
 
 from __future__ import annotations
@@ -42,14 +54,18 @@ CREATE TABLE IF NOT EXISTS learned (
     previous TEXT,
     session TEXT,
     created REAL NOT NULL,
+    kind TEXT NOT NULL DEFAULT 'trigger',
     PRIMARY KEY (tap, capability, message)
 )
 """
+KINDS = ("trigger", "abstain")  # message -> capability, and message -/-> capability
+REFUSED = "refused"  # a turn's decision once the agent disabled what it activated
 
 
 @dataclass(frozen=True)
 class Learned:
-    """One learned example: ``message`` should route to ``capability`` of ``tap``."""
+    """One correction: ``message`` should (``kind`` trigger) or should not (abstain) route to
+    ``capability`` of ``tap``."""
 
     tap: str
     capability: str
@@ -57,9 +73,10 @@ class Learned:
     previous: str | None  # what routing did: "abstain" or the capability it chose
     session: str | None
     created: float
+    kind: str = "trigger"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"tap": self.tap, "capability": self.capability, "message": self.message,
+        return {"tap": self.tap, "capability": self.capability, "message": self.message, "kind": self.kind,
                 "previous": self.previous, "session": self.session, "created": self.created}
 
 
@@ -83,6 +100,9 @@ class LearnedStore:
                 conn = sqlite3.connect(path, check_same_thread=False, timeout=5.0)
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute(_SCHEMA)
+                if "kind" not in {row[1] for row in conn.execute("PRAGMA table_info(learned)")}:
+                    # a store from before abstains were learned: its entries are triggers
+                    conn.execute("ALTER TABLE learned ADD COLUMN kind TEXT NOT NULL DEFAULT 'trigger'")
                 conn.commit()
                 return conn
             except (OSError, sqlite3.Error) as exc:
@@ -98,36 +118,42 @@ class LearnedStore:
             yield self._conn
 
     def record(self, tap: Path | str, capability: str, message: str, previous: str | None = None,
-               session: str | None = None) -> bool:
-        """Store one example; False when it was already known."""
+               session: str | None = None, kind: str = "trigger") -> bool:
+        """Store one correction (replacing one of the other kind); False when it was already known."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         try:
             with self._cursor() as conn:
                 cursor = conn.execute(
-                    "INSERT OR IGNORE INTO learned (tap, capability, message, previous, session, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?)", (str(tap), capability, message, previous, session, time.time()))
+                    "INSERT INTO learned (tap, capability, message, previous, session, created, kind) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tap, capability, message) DO UPDATE SET "
+                    "kind = excluded.kind, previous = excluded.previous, session = excluded.session, "
+                    "created = excluded.created WHERE learned.kind != excluded.kind",
+                    (str(tap), capability, message, previous, session, time.time(), kind))
                 return cursor.rowcount > 0
         except sqlite3.Error as exc:
             log.error("cannot record a learned example for %s: %s", capability, exc)
             return False
 
-    def entries(self, tap: Path | str | None = None, capability: str | None = None) -> list[Learned]:
-        where, args = _filters(tap, capability, None)
+    def entries(self, tap: Path | str | None = None, capability: str | None = None,
+                kind: str | None = None) -> list[Learned]:
+        where, args = _filters(tap, capability, None, kind)
         with self._cursor() as conn:
-            rows = conn.execute(f"SELECT tap, capability, message, previous, session, created FROM learned{where} "
-                                "ORDER BY tap, capability, created, message", args).fetchall()
+            rows = conn.execute(f"SELECT tap, capability, message, previous, session, created, kind FROM learned"
+                                f"{where} ORDER BY tap, capability, kind DESC, created, message", args).fetchall()
         return [Learned(*row) for row in rows]
 
     def forget(self, tap: Path | str | None = None, capability: str | None = None,
-               message: str | None = None) -> int:
-        """Delete matching examples (all of them when nothing is given); returns how many."""
-        where, args = _filters(tap, capability, message)
+               message: str | None = None, kind: str | None = None) -> int:
+        """Delete matching entries (all of them when nothing is given); returns how many."""
+        where, args = _filters(tap, capability, message, kind)
         with self._cursor() as conn:
             return conn.execute(f"DELETE FROM learned{where}", args).rowcount
 
-    def for_tap(self, tap: Path | str) -> dict[str, tuple[str, ...]]:
-        """capability → learned messages, for one tap."""
+    def for_tap(self, tap: Path | str, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
+        """capability → learned messages of ``kind``, for one tap."""
         out: dict[str, list[str]] = {}
-        for entry in self.entries(tap=tap):
+        for entry in self.entries(tap=tap, kind=kind):
             out.setdefault(entry.capability, []).append(entry.message)
         return {name: tuple(messages) for name, messages in out.items()}
 
@@ -136,9 +162,10 @@ class LearnedStore:
             self._conn.close()
 
 
-def _filters(tap: Path | str | None, capability: str | None, message: str | None) -> tuple[str, tuple[str, ...]]:
+def _filters(tap: Path | str | None, capability: str | None, message: str | None,
+             kind: str | None = None) -> tuple[str, tuple[str, ...]]:
     clauses, args = [], []
-    for column, value in (("tap", tap), ("capability", capability), ("message", message)):
+    for column, value in (("tap", tap), ("capability", capability), ("message", message), ("kind", kind)):
         if value is not None:
             clauses.append(f"{column} = ?")
             args.append(str(value))
@@ -184,6 +211,17 @@ class Corrections:
                 turns.remove(turn)
                 return turn
             return None
+
+    def disabled(self, session: str, name: str) -> Turn | None:
+        """The turn that disabling ``name`` refuses, or None: the session's latest routed turn,
+        when it activated ``name``. The turn stays, marked refused, for an enable to correct."""
+        with self._lock:
+            turns = self._turns.get(session)
+            latest = next((t for t in reversed(turns or ()) if t.decision != "skipped"), None)
+            if turns is None or latest is None or latest.decision != "activate" or latest.capability != name:
+                return None
+            turns[turns.index(latest)] = Turn(latest.message, REFUSED, latest.capability)
+            return latest
 
     def forget_session(self, session: str) -> None:
         with self._lock:

@@ -10,12 +10,12 @@ Three rules, selectable by name (``Settings.rule`` / ``--rule``):
 ``capd``
     Every capability is scored; when the winner is already active nothing changes
     (``already_active``); otherwise the same gates decide. Learned corrections
-    (:mod:`capd.learned`) count as extra triggers.
+    (:mod:`capd.learned`) count as extra triggers, and learned abstains veto (:class:`Vetoes`).
 ``fused``
     :mod:`capd.fused`: ranks on a light head + soft nearest examples + BM25 over the
     triggers, description, name and learned corrections; ``score`` is the winner's
     mean-top-3 cosine minus its capabilities' in-class similarity (``level``), ``margin``
-    the log-odds gap to the runner-up. Sessions behave as with ``capd``.
+    the log-odds gap to the runner-up. Sessions and learned corrections behave as with ``capd``.
 
 Gates (threshold, margin, top_k) come from the model manifest, are overridden per tap by
 ``<tap>/capd.toml`` (written by ``capd calibrate``; the gates of the winner's tap apply),
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -169,15 +169,47 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
     return replace(catalog, capabilities=MappingProxyType(capabilities))
 
 
+@dataclass(frozen=True)
+class Vetoes:
+    """Learned abstains (:mod:`capd.learned`): per capability, the messages an agent refused it for.
+
+    A winner that cleared the gates is vetoed when the message is closer to one of them than
+    to the capability's nearest example: nearest-neighbour evidence that the agent said no to
+    a message like this one. No constant to tune, and a message equal to one of the
+    capability's own triggers is never vetoed.
+    """
+
+    texts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    vectors: Mapping[str, np.ndarray] = field(default_factory=dict)  # name -> unit rows [n, dim], as texts
+
+    @classmethod
+    def build(cls, refused: Mapping[str, Sequence[str]], vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
+        """From capability → refused messages; ``vectors_of`` embeds texts (unit rows)."""
+        texts = {name: tuple(messages) for name, messages in refused.items() if messages}
+        flat = [t for messages in texts.values() for t in messages]
+        if not flat:
+            return cls()
+        matrix, start, vectors = np.asarray(vectors_of(flat), dtype=np.float32), 0, {}
+        for name, messages in texts.items():
+            vectors[name] = matrix[start:start + len(messages)]
+            start += len(messages)
+        return cls(MappingProxyType(texts), MappingProxyType(vectors))
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.texts.values())
+
+
 class Router:
     """Turns a message into a :class:`Decision` for one catalog snapshot.
 
     ``index`` holds the rule's examples (:func:`example_catalog`); ``head`` is required
-    for the ``fused`` rule and built from that index (:meth:`capd.service.Service.reload`).
+    for the ``fused`` rule and built from that index (:meth:`capd.service.Service.reload`);
+    ``vetoes`` are learned abstains (ignored by ``anchor``).
     """
 
     def __init__(self, encoder: Encoder, index: TriggerIndex, catalog: Catalog, gates: GateBook,
-                 rule: str = "capd", min_chars: int = 8, head: fused.FusedHead | None = None) -> None:
+                 rule: str = "capd", min_chars: int = 8, head: fused.FusedHead | None = None,
+                 vetoes: Vetoes | None = None) -> None:
         if rule not in RULE_NAMES:
             raise ValueError(f"unknown rule {rule!r}; choose one of {', '.join(RULE_NAMES)}")
         if rule == "fused" and head is None:
@@ -189,6 +221,7 @@ class Router:
         self.rule = rule
         self.min_chars = min_chars
         self.head = head
+        self.vetoes = vetoes if vetoes is not None and rule != "anchor" else Vetoes()
 
     @property
     def top_k(self) -> int:
@@ -213,6 +246,36 @@ class Router:
             knn = aligned
         vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
         return self.head.names, self.head.score(knn, vectors, texts, tokens)
+
+    def refusals(self, vectors: np.ndarray, winners: Sequence[str]) -> list[tuple[str, float, float] | None]:
+        """Per message: (refused message, its cosine, the winner's nearest example's cosine) when a
+        learned abstain vetoes its winner (:class:`Vetoes`), else None."""
+        out: list[tuple[str, float, float] | None] = [None] * len(winners)
+        rows = [i for i, name in enumerate(winners) if name in self.vetoes.vectors]
+        if not rows:
+            return out
+        queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)[rows]
+        names, nearest = self.index.named_scores(queries, 1)
+        column = {n: i for i, n in enumerate(names)}
+        for j, row in enumerate(rows):
+            name = winners[row]
+            sims = self.vetoes.vectors[name] @ queries[j]
+            best = int(sims.argmax())
+            example = float(nearest[j, column[name]]) if name in column else -1.0
+            if float(sims[best]) > example:
+                out[row] = (self.vetoes.texts[name][best], float(sims[best]), example)
+        return out
+
+    def _vetoed(self, vector: np.ndarray, name: str, score: float, margin: float,
+                candidates: tuple[tuple[str, float], ...]) -> Decision | None:
+        """The abstain a learned refusal turns an activation of ``name`` into, if any."""
+        refusal = self.refusals(vector[None, :], [name])[0]
+        if refusal is None:
+            return None
+        message, similarity, example = refusal
+        return Decision("abstain", f"{name} vetoed: the message is closer to {message[:60]!r} ({similarity:.2f}), "
+                        f"which an agent refused it for, than to its nearest example ({example:.2f})",
+                        name, score, margin, candidates)
 
     def embed(self, text: str) -> tuple[np.ndarray, TokenVectors | None]:
         """One cleaned message's vector and, for ``fused``, its token vectors (one model call)."""
@@ -274,7 +337,8 @@ class Router:
             return Decision("already_active", f"{name} is already active", name, score, margin, candidates)
         if not fire:
             return Decision("abstain", reason, name, score, margin, candidates)
-        return Decision("activate", reason, name, score, margin, candidates)
+        return self._vetoed(vector, name, score, margin, candidates) or Decision(
+            "activate", reason, name, score, margin, candidates)
 
     def _decide_fused(self, vector: np.ndarray, active: set[str], text: str,
                       tokens: TokenVectors | None) -> Decision:
@@ -295,8 +359,9 @@ class Router:
             runner = candidates[1][0] if len(candidates) > 1 else "-"
             return Decision("abstain", f"margin {gap:.2f} between {name} and {runner} below {gates.margin:.2f}",
                             name, level, gap, candidates)
-        return Decision("activate", f"{name} level {level:.2f} clears threshold {gates.threshold:.2f} and margin "
-                        f"{gates.margin:.2f} (margin {gap:.2f})", name, level, gap, candidates)
+        return self._vetoed(vector, name, level, gap, candidates) or Decision(
+            "activate", f"{name} level {level:.2f} clears threshold {gates.threshold:.2f} and margin "
+            f"{gates.margin:.2f} (margin {gap:.2f})", name, level, gap, candidates)
 
     def discover(self, intent: str, limit: int = DISCOVER_LIMIT) -> list[tuple[str, float]]:
         """Top ``limit`` capabilities for an intent, no gates (tags stripped, no length gate)."""

@@ -26,10 +26,10 @@ from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import StateError, UnknownCapability
 from capd.fused import FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
-from capd.learned import Corrections, LearnedStore
+from capd.learned import KINDS, Corrections, LearnedStore
 from capd.metrics import Metrics
 from capd.models import HASH_MODEL, manifest_for, resolve
-from capd.router import Decision, GateBook, Gates, Router, build_gatebook, example_catalog
+from capd.router import Decision, GateBook, Gates, Router, Vetoes, build_gatebook, example_catalog
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
@@ -148,6 +148,7 @@ class Service:
                                                 pinned=self.settings.pinned, clock=self._clock,
                                                 ttl=self.settings.session_ttl)
                 self.registry.on_manual = self._on_manual_enable
+                self.registry.on_disable = self._on_manual_disable
             if self._want_learning:
                 self.learned = LearnedStore.open(self.settings.data_dir)
             self.reload()
@@ -271,8 +272,11 @@ class Service:
         self.counters.embedded += report.embedded
         self.counters.cached += report.cached
         head = self._fused_head(examples) if rule == "fused" else None
+        refused = self._learned_examples(catalog, "abstain") if rule != "anchor" else {}
+        embedder = self.embedder
+        vetoes = Vetoes.build(refused, lambda texts: embedder.embed(texts)[0])
         router = Router(self.encoder, self.index, catalog, self._gatebook(catalog), rule=rule,
-                        min_chars=self.settings.min_chars, head=head)
+                        min_chars=self.settings.min_chars, head=head, vetoes=vetoes)
         self._snapshot = Snapshot(catalog, router)
         return report
 
@@ -386,6 +390,16 @@ class Service:
             log.info("learned: %r -> %s (routing said %s)", turn.message[:80], name, previous)
             self._schedule_learning()
 
+    def _on_manual_disable(self, session: str, name: str) -> None:
+        """A manual disable right after routing activated ``name``: record (message -/-> name)."""
+        turn = self.corrections.disabled(session, name)
+        capability = self.catalog_now().get(name)
+        if turn is None or self.learned is None or capability is None or not capability.triggers:
+            return
+        if self.learned.record(capability.tap, name, turn.message, name, session, kind="abstain"):
+            log.info("learned: %r -/-> %s (disabled right after routing activated it)", turn.message[:80], name)
+            self._schedule_learning()
+
     def _schedule_learning(self) -> None:
         with self._lock:
             if self._learn_timer is not None and self._learn_timer.is_alive():
@@ -401,7 +415,7 @@ class Service:
             if snapshot is None or self.learned is None or self._closed:  # a timer that fired as we closed
                 return 0
             self._publish(snapshot.catalog)
-            return sum(len(v) for v in self._learned_examples(snapshot.catalog).values())
+            return sum(len(v) for kind in KINDS for v in self._learned_examples(snapshot.catalog, kind).values())
 
     def _fused_head(self, examples: Catalog) -> FusedHead:
         """The fused rule's head for the index as it now stands (cached in the data directory)."""
@@ -417,13 +431,13 @@ class Service:
         return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
                           flags if any(flags) else None, self.encoder.embed_tokens, previous)
 
-    def _learned_examples(self, catalog: Catalog) -> dict[str, tuple[str, ...]]:
-        """Learned corrections of this catalog's capabilities (those recorded for their tap)."""
+    def _learned_examples(self, catalog: Catalog, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
+        """Learned corrections of ``kind`` of this catalog's capabilities (those recorded for their tap)."""
         if self.learned is None:
             return {}
         out: dict[str, tuple[str, ...]] = {}
         for tap in catalog.taps:
-            for name, messages in self.learned.for_tap(tap).items():
+            for name, messages in self.learned.for_tap(tap, kind).items():
                 capability = catalog.get(name)
                 if capability is not None and capability.tap == tap:
                     out[name] = messages

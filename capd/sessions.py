@@ -207,8 +207,10 @@ class SessionRegistry:
         self._locks: dict[str, _LockEntry] = {}
         self._locks_guard = threading.Lock()
         self._degraded = False
-        # Called as on_manual(session, name) after every manual activation (capd.learned listens).
+        # Called as on_manual(session, name) after every manual activation, and as
+        # on_disable(session, name) after a disable that removed an active capability (capd.learned listens).
         self.on_manual: Callable[[str, str], None] | None = None
+        self.on_disable: Callable[[str, str], None] | None = None
 
     @contextmanager
     def locked(self, session: str) -> Iterator[None]:
@@ -247,11 +249,8 @@ class SessionRegistry:
                     self._evict_one(change)
                 change.add(capability, origin, now)
             plan = self._commit(change, now)
-        if origin == "manual" and self.on_manual is not None:
-            try:
-                self.on_manual(session, name)
-            except Exception:  # learning is best effort; the enable itself succeeded
-                log.exception("on_manual listener failed for %s in session %s", name, session)
+        if origin == "manual":
+            self._notify(self.on_manual, session, name)
         return plan
 
     def deactivate(self, session: str, name: str) -> Plan:
@@ -264,9 +263,22 @@ class SessionRegistry:
                 raise UnknownCapability(name)
             now = self._clock()
             change = self._begin(session, catalog, now)
-            if name in change.active:
+            removed = name in change.active
+            if removed:
                 change.remove(name)
-            return self._commit(change, now)
+            plan = self._commit(change, now)
+        if removed:
+            self._notify(self.on_disable, session, name)
+        return plan
+
+    @staticmethod
+    def _notify(listener: Callable[[str, str], None] | None, session: str, name: str) -> None:
+        if listener is None:
+            return
+        try:
+            listener(session, name)
+        except Exception:  # learning is best effort; the enable or disable itself succeeded
+            log.exception("listener failed for %s in session %s", name, session)
 
     def reconcile(self, session: str) -> Plan:
         """Apply catalog and settings changes: tear down deleted capabilities, start newly present pinned ones."""

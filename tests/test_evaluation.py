@@ -6,13 +6,14 @@ import json
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import COSINE_GRID, best_point, split
+from capd.calibrate import COSINE_GRID, best_point, split, sweep
 from capd.cli import main
 from capd.errors import FixtureError
 from capd.evaluation import ScoreTable, apply_gates, breakdown, metrics
@@ -58,6 +59,21 @@ def test_skipped_rows_abstain() -> None:
     result = metrics(short, apply_gates(short, 0.0, 0.0))
     assert result["fired_right"] == 0.0 and result["null_fpr"] == 0.0 and result["skipped"] == 7
     assert result["top1"] == 0.6  # gates (the length gate included) do not change top1
+
+
+def test_a_vetoed_winner_abstains_in_metrics_and_in_calibration() -> None:
+    """A learned abstain (router.Vetoes) vetoing m6's winner: m6 no longer fires, at any gates."""
+    table = _table()
+    vetoed = replace(table, vetoed=np.array([False] * 5 + [True, False]))
+    assert metrics(table, apply_gates(table, 0.4, 0.1))["null_fpr"] == 0.5
+    assert metrics(vetoed, apply_gates(vetoed, 0.4, 0.1))["null_fpr"] == 0.0
+    assert metrics(vetoed, apply_gates(vetoed, 0.4, 0.1))["fired_right"] == 0.4  # the positives are untouched
+    assert vetoed.subset(np.array([5, 6])).vetoed.tolist() == [True, False]  # type: ignore[union-attr]
+    grid = COSINE_GRID
+    above_m7 = grid.thresholds > 0.3 + 1e-6  # m7 (a null at 0.30) fires below this
+    null_before, null_after = sweep(table, grid)[2], sweep(vetoed, grid)[2]
+    assert (null_after[above_m7] == 0).all()
+    assert (null_before[above_m7 & (grid.thresholds <= 0.5)] > 0).any()
 
 
 def test_best_point_respects_limits() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import tomllib
 from collections.abc import Iterator
 from dataclasses import replace
@@ -22,6 +23,7 @@ from tests.taputil import octomind_tap
 
 CORE = default_taps()[0].absolute()
 MISS = "the thing with the boxes is slow again"  # abstains on taps/core; the user meant docker
+CHATTER = "tell me something interesting about yourself"  # activates memory on taps/core (fused, default gates)
 
 
 def test_store_records_once_lists_and_forgets(tmp_path: Path) -> None:
@@ -38,6 +40,30 @@ def test_store_records_once_lists_and_forgets(tmp_path: Path) -> None:
     assert reopened.forget(tap=CORE, capability="git") == 1
     assert len(reopened.entries()) == 2
     assert reopened.forget() == 2 and reopened.entries() == []
+
+
+def test_store_keeps_one_kind_per_message_the_latest(tmp_path: Path) -> None:
+    store = LearnedStore.open(tmp_path)
+    assert store.record(CORE, "memory", CHATTER, "memory", "s1", kind="abstain")
+    assert not store.record(CORE, "memory", CHATTER, "memory", "s2", kind="abstain")  # known already
+    assert store.for_tap(CORE) == {} and store.for_tap(CORE, "abstain") == {"memory": (CHATTER,)}
+    assert store.record(CORE, "memory", CHATTER, "abstain", "s3")  # a later enable: now a trigger
+    [entry] = store.entries()
+    assert (entry.kind, entry.session) == ("trigger", "s3")
+    with pytest.raises(ValueError, match="kind"):
+        store.record(CORE, "memory", CHATTER, kind="maybe")
+
+
+def test_a_store_from_before_abstains_opens_with_its_entries_as_triggers(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / "learned.sqlite3") as conn:
+        conn.execute("CREATE TABLE learned (tap TEXT NOT NULL, capability TEXT NOT NULL, message TEXT NOT NULL, "
+                     "previous TEXT, session TEXT, created REAL NOT NULL, PRIMARY KEY (tap, capability, message))")
+        conn.execute("INSERT INTO learned VALUES (?, 'docker', ?, 'abstain', 'a', 1.0)", (str(CORE), MISS))
+    conn.close()
+    store = LearnedStore.open(tmp_path)
+    assert store.for_tap(CORE) == {"docker": (MISS,)}
+    assert store.record(CORE, "docker", "stop the web container", "memory", "b", kind="abstain")
+    assert [e.kind for e in store.entries()] == ["trigger", "abstain"]
 
 
 def test_unusable_data_dir_keeps_learning_in_memory(tmp_path: Path) -> None:
@@ -67,6 +93,27 @@ def test_corrections_take_the_latest_miss_within_the_window() -> None:
     assert turns.enabled("unknown", "x") is None
 
 
+def test_a_disable_refuses_only_the_turn_that_just_activated_it() -> None:
+    turns = Corrections(window=3)
+    turns.routed("s", "first message", "activate", "docker")
+    turns.routed("s", "second message", "abstain", None)
+    assert turns.disabled("s", "docker") is None  # another message came in between: the work may be done
+    turns.routed("s", "ls", "skipped", None)
+    turns.routed("s", "tell me about yourself", "activate", "memory")
+    assert turns.disabled("s", "git") is None  # routing did not activate git
+    refused = turns.disabled("s", "memory")
+    assert refused is not None and refused.message == "tell me about yourself"
+    assert turns.disabled("s", "memory") is None  # refused once
+    correction = turns.enabled("s", "time")  # ... and the agent enabled what it wanted instead
+    assert correction is not None and (correction.message, correction.capability) == ("tell me about yourself",
+                                                                                      "memory")
+    turns.routed("t", "what time is it in Oslo", "activate", "time")
+    turns.disabled("t", "time")
+    again = turns.enabled("t", "time")  # enabled again: the refusal is taken back
+    assert again is not None and again.decision == "refused"
+    assert turns.disabled("unknown", "x") is None
+
+
 @pytest.fixture
 def daemon(tmp_path: Path, model_settings: Settings) -> Iterator[TestClient]:
     settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(CORE,), rule="fused")
@@ -92,6 +139,27 @@ def test_a_manual_enable_after_a_miss_teaches_the_daemon(daemon: TestClient) -> 
     assert MISS not in (CORE / "capabilities" / "docker" / "config.toml").read_text()
 
 
+def test_a_disable_right_after_an_activation_teaches_the_daemon_to_abstain(daemon: TestClient) -> None:
+    service = daemon.app.state.service  # type: ignore[attr-defined]
+    before = daemon.post("/v1/route", json={"session": "a", "message": CHATTER}).json()
+    assert (before["decision"], before["capability"]) == ("activate", "memory")
+    assert daemon.post("/v1/sessions/a/disable", json={"name": "memory"}).status_code == 200
+    [entry] = service.learned.entries()
+    assert (entry.kind, entry.capability, entry.message, entry.previous) == ("abstain", "memory", CHATTER, "memory")
+    assert service.apply_learned() == 1
+    for message in (CHATTER, "tell me something interesting about you"):  # the refused message and a paraphrase
+        after = daemon.post("/v1/route", json={"session": "b", "message": message}).json()
+        assert after["decision"] == "abstain" and after["capability"] == "memory", after
+        assert "vetoed" in after["reason"] and CHATTER in after["reason"]
+    wanted = daemon.post("/v1/route", json={"session": "c", "message": "save this fact to your long-term memory"})
+    assert (wanted.json()["decision"], wanted.json()["capability"]) == ("activate", "memory")  # memory still works
+    # the agent disagrees with the veto: enabling memory now records the message as its trigger instead
+    daemon.post("/v1/route", json={"session": "d", "message": CHATTER})
+    daemon.post("/v1/sessions/d/enable", json={"name": "memory"})
+    assert [(e.kind, e.message) for e in service.learned.entries()] == [("trigger", CHATTER)]
+    assert "interesting" not in (CORE / "capabilities" / "memory" / "config.toml").read_text()
+
+
 def test_learned_examples_survive_a_restart_and_the_anchor_rule_ignores_them(tmp_path: Path,
                                                                              model_settings: Settings) -> None:
     settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(CORE,))
@@ -110,21 +178,26 @@ def test_cli_lists_exports_and_forgets(tmp_path: Path) -> None:
     store = LearnedStore.open(tmp_path)
     store.record(CORE, "docker", MISS, "abstain", "a")
     store.record(CORE, "git", "undo my last save point", "mysql", "a")
+    store.record(CORE, "memory", CHATTER, "memory", "a", kind="abstain")
     store.close()
     runner = CliRunner()
     listed = runner.invoke(main, ["learned", "list", "--data-dir", str(tmp_path), "--json"])
-    assert listed.exit_code == 0 and json.loads(listed.output)["count"] == 2
+    assert listed.exit_code == 0 and json.loads(listed.output)["count"] == 3
+    assert {e["kind"] for e in json.loads(listed.output)["learned"]} == {"trigger", "abstain"}
+    text = runner.invoke(main, ["learned", "list", "--data-dir", str(tmp_path)]).output
+    assert "-/-> memory" in text and "2 learned triggers, 1 learned abstain" in text
     exported = runner.invoke(main, ["learned", "export", "--data-dir", str(tmp_path), "--tap", str(CORE)])
     suggestions = tomllib.loads(exported.output)
     assert suggestions["docker"]["add_triggers"] == [MISS]
     assert suggestions["git"]["file"].endswith("capabilities/git")
+    assert suggestions["memory"] == {"file": str(CORE / "capabilities" / "memory"), "refused_messages": [CHATTER]}
     refused = runner.invoke(main, ["learned", "forget", "--data-dir", str(tmp_path)])
     assert refused.exit_code == 2 and "--all" in refused.output
     forgot = runner.invoke(main, ["learned", "forget", "git", "--data-dir", str(tmp_path), "--json"],
                            env={"CAPD_PORT": "1"})  # no daemon there to reload
     assert forgot.exit_code == 0, forgot.output
     assert json.loads(forgot.output) == {"forgotten": 1, "daemon_reloaded": False}
-    assert [e.capability for e in LearnedStore.open(tmp_path).entries()] == ["docker"]
+    assert [e.capability for e in LearnedStore.open(tmp_path).entries()] == ["docker", "memory"]
 
 
 def test_a_learning_pass_after_close_does_nothing(settings_factory: SettingsFactory, tmp_path: Path) -> None:

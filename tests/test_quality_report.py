@@ -89,6 +89,7 @@ def test_feedback_loop_learns_from_the_fit_part_only(report: Report) -> None:
     loop = result["sets"]["core"]["feedback"]
     fused = result["sets"]["core"]["rules"]["fused"]["calibrated"]
     assert loop["before"] == fused["held_out"]  # the same router and gates before learning
-    assert 0 < loop["learned"] <= loop["corrected"] <= loop["routed"] == fused["fit"]["positives"]
+    assert 0 < loop["learned"] <= loop["corrected"] + loop["refused"] <= loop["routed"] == fused["fit"]["n"]
+    assert loop["refused"] > 0  # fit-part nulls that activated something were disabled: learned abstains
     assert loop["after_same_gates"]["positives"] == fused["held_out"]["positives"]
     assert "| core | " in markdown.split("## Learning from corrections")[1]

@@ -98,17 +98,24 @@ def feedback_lines(result: dict[str, Any]) -> list[str]:
         return ["Not available: this build of capd has no `Service.apply_learned` (learning from corrections).", ""]
     if not runs:
         return [f"Not run: none of {', '.join(FEEDBACK_SETS)} was in this run.", ""]
-    lines = ["For each fit-part positive: route it in its own session with the fused rule at the calibrated gates; "
-             "if it did not activate an expected capability, enable the expected one by hand "
-             "(`registry.activate(..., \"manual\")`); then `apply_learned()` and score the **held-out** part again. "
-             "The held-out messages are never corrected. (b) refits the gates on the fit part, whose misses are now "
-             "examples — so those gates are tuned on memorised rows. Rows marked *(tuned model)* do the same with "
-             "`tune = true` at the gates calibrated for fused + tuned.", "",
-             "| set | routed / corrected / learned | held-out | gates | top1 | fired_right | fired_wrong | null_fpr |",
+    lines = ["For each fit-part message: route it in its own session with the fused rule at the calibrated gates; "
+             "if a positive did not activate an expected capability, enable the expected one by hand "
+             "(`registry.activate(..., \"manual\")`: a learned trigger); if a null activated a capability, disable "
+             "it (`registry.deactivate`: a learned abstain, which vetoes that capability for messages nearer the "
+             "refused one than its examples); then `apply_learned()` and score the **held-out** part again. "
+             "The held-out messages are never corrected. *triggers only* leaves the abstains out. (b) refits the "
+             "gates on the fit part, whose mistakes are now learned — so those gates are tuned on memorised rows. "
+             "Rows marked *(tuned model)* do the same with `tune = true` at the gates calibrated for fused + tuned.",
+             "",
+             "| set | routed / enabled / disabled / learned | held-out | gates | top1 | fired_right | fired_wrong | "
+             "null_fpr |",
              "|---|---|---|---|---|---|---|---|"]
     for name, f in runs.items():
-        counts = f"{f['routed']} / {f['corrected']} / {f['learned']} ({f['seconds']} s)"
-        variants = [("before", f["gates"], f["before"]), ("after, same gates (a)", f["gates"], f["after_same_gates"])]
+        counts = f"{f['routed']} / {f['corrected']} / {f.get('refused', 0)} / {f['learned']} ({f['seconds']} s)"
+        variants = [("before", f["gates"], f["before"])]
+        if "after_triggers_only" in f:
+            variants.append(("after, triggers only, same gates", f["gates"], f["after_triggers_only"]))
+        variants.append(("after, same gates (a)", f["gates"], f["after_same_gates"]))
         if "after_refit" in f:
             variants.append(("after, gates refitted on fit (b)", f["refit_gates"], f["after_refit"]))
         for label, gates, values in variants:

@@ -12,9 +12,9 @@ split ``capd calibrate`` uses (``capd.calibrate.split``: 30% held out by a hash 
   held-out part (the headline) and on the fit part (tuned on);
 - the best gates within the limits chosen on every row (an optimistic ceiling, tuned on).
 
-Then: a simulated feedback loop (route the fit part's positives in sessions, enable the
-expected capability by hand after a miss, ``apply_learned()``, score the held-out part
-again), the fused rule's cost per message, and the research figures quoted (not
+Then: a simulated feedback loop (route the fit part in sessions, enable the expected
+capability by hand after a miss and disable what a null activated, ``apply_learned()``, score
+the held-out part again), the fused rule's cost per message, and the research figures quoted (not
 recomputed) from ``benchmarks/quality/research_results.md``.
 
 Settings are built directly (no ``CAPD_*`` environment, no user config). Each run uses a fresh
@@ -26,6 +26,7 @@ nothing depends on the user's data; only the model's ONNX export is kept, in
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -46,6 +47,7 @@ from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
 from capd.models import manifest_for
+from capd.router import Vetoes
 from capd.service import Service
 from capd.settings import Settings
 from capd.text import clean_message
@@ -58,7 +60,7 @@ CACHE = ROOT / "benchmarks" / ".cache" / "quality"
 RESEARCH = ROOT / "benchmarks" / "quality" / "research_results.md"
 SHARED_SETS = ("clinc150_intent", "clinc150_domain", "hwu64_scenario_oos", "snips7", "healthcare")
 SETS = (*SHARED_SETS, "core")
-FEEDBACK_SETS = ("clinc150_intent", "hwu64_scenario_oos", "snips7")
+FEEDBACK_SETS = SETS
 RULES = ("anchor", "fused")
 TUNED = tuple(f"{rule}+tuned" for rule in RULES)  # the same rules with `tune = true` (capd/tuning.py)
 LIMITS = {"max_null_fpr": 0.05, "max_wrong": 0.03}
@@ -224,7 +226,9 @@ def timing(bench: Bench, service: Service, fixtures: Sequence[Fixture], vectors:
 
 def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vectors: np.ndarray | None,
              gates: Point, tuned: bool = False) -> dict[str, Any]:
-    """Route the fit part's positives in sessions, correct the misses by hand, apply, re-score held-out.
+    """Route the fit part in sessions, correct its mistakes by hand as an agent would, apply, re-score
+    held-out: a positive that did not activate an expected capability gets the expected one enabled
+    (a learned trigger); a null that activated something gets it disabled (a learned abstain).
     ``tuned``: with the set's tuned model (``vectors`` None: embedded with it)."""
     service = bench.service(evalset.tap, "fused", sessions=True, gates=gates,
                             tuned_as=evalset.name if tuned else None)
@@ -237,27 +241,35 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
         fit_rows, held_rows = split(fixtures)
         grid = grid_for("fused")
         before = score_table(service.router, fixtures, vectors=vectors, tokens=tokens)
-        # Route every positive first, then correct the misses: each session holds one routed turn, so
-        # this is the same as correcting right after each miss, except that no correction is applied
-        # (capd applies them about a second after they arrive) while others are still being routed,
-        # which keeps the result independent of timing.
+        # Route every fit message first, then correct: each session holds one routed turn, so this is
+        # the same as correcting right after each mistake, except that no correction is applied (capd
+        # applies them about a second after they arrive) while others are still being routed, which
+        # keeps the result independent of timing.
         started = time.perf_counter()
-        positives = [i for i in fit_rows.tolist() if fixtures[i].positive]
-        misses = []
-        for i in positives:
+        misses, refused = [], []
+        for i in fit_rows.tolist():
             decision = service.route(fixtures[i].message, f"sim-{i}").decision
-            if decision.decision != "activate" or decision.capability not in fixtures[i].expect:
+            fired = decision.decision == "activate"
+            if fixtures[i].positive and not (fired and decision.capability in fixtures[i].expect):
                 misses.append(i)
+            elif not fixtures[i].positive and fired and decision.capability is not None:
+                refused.append((i, decision.capability))
         for i in misses:
             service.registry.activate(f"sim-{i}", fixtures[i].expect[0], "manual")
+        for i, name in refused:
+            service.registry.deactivate(f"sim-{i}", name)
         learned = service.apply_learned()
         seconds = time.perf_counter() - started
         after = score_table(service.router, fixtures, vectors=vectors, tokens=tokens)
+        triggers_only = copy.copy(service.router)
+        triggers_only.vetoes = Vetoes()
+        after_triggers = score_table(triggers_only, fixtures, vectors=vectors, tokens=tokens)
         refit, _ = best_point({grid.top_ks[0]: after.subset(fit_rows)}, grid=grid, **LIMITS)
         out: dict[str, Any] = {
-            "routed": len(positives), "corrected": len(misses), "learned": learned, "seconds": round(seconds, 1),
-            "gates": gates.as_dict(),
+            "routed": len(fit_rows), "corrected": len(misses), "refused": len(refused), "learned": learned,
+            "seconds": round(seconds, 1), "gates": gates.as_dict(),
             "before": gated(before, held_rows, gates.threshold, gates.margin),
+            "after_triggers_only": gated(after_triggers, held_rows, gates.threshold, gates.margin),
             "after_same_gates": gated(after, held_rows, gates.threshold, gates.margin),
         }
         if refit is not None:

@@ -26,8 +26,9 @@ def _tap(tap: Path | None) -> str | None:
 def learned() -> None:
     """Corrections capd learned: list them, forget them, export them as suggested triggers.
 
-    A manual enable within 3 routed turns after a miss is recorded as (message -> capability)
-    in the data directory; the tap itself is never modified.
+    A manual enable within 3 routed turns after a miss is recorded as (message -> capability);
+    a manual disable right after routing activated a capability, as (message -/-> capability).
+    Both live in the data directory; the tap itself is never modified.
     """
 
 
@@ -50,9 +51,12 @@ def list_learned(config: Path | None, taps: tuple[Path, ...], data_dir: Path | N
         emit_json({"learned": [e.as_dict() for e in entries], "count": len(entries)})
         return
     for entry in entries:
-        click.echo(f"{entry.capability:<24} {entry.message!r}  (routing said {entry.previous or '-'}; "
+        arrow = "->" if entry.kind == "trigger" else "-/->"
+        click.echo(f"{arrow:<4} {entry.capability:<24} {entry.message!r}  (routing said {entry.previous or '-'}; "
                    f"tap {entry.tap})")
-    click.echo(f"{len(entries)} learned example{'s' if len(entries) != 1 else ''}")
+    refused = sum(e.kind == "abstain" for e in entries)
+    click.echo(f"{len(entries) - refused} learned trigger{'s' if len(entries) - refused != 1 else ''}, "
+               f"{refused} learned abstain{'s' if refused != 1 else ''} (-/->: not this capability)")
 
 
 @learned.command()
@@ -93,23 +97,29 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
 @click.option("--format", "fmt", type=click.Choice(["toml", "json"]), default="toml", show_default=True)
 def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
            backend: str | None, fmt: str) -> None:
-    """Learned examples as suggested triggers for tap authors (stdout; nothing is written).
+    """Learned triggers as suggested triggers for tap authors, and learned abstains as messages
+    that wrongly activated a capability (stdout; nothing is written).
 
     Example: capd learned export --tap taps/core > suggestions.toml
     """
     settings = build_settings(config, data_dir=data_dir)
     store = _store(settings)
-    grouped: dict[tuple[str, str], list[str]] = {}
+    grouped: dict[tuple[str, str], dict[str, list[str]]] = {}
     for tap in taps or (None,):
         for entry in store.entries(tap=_tap(tap)):
-            grouped.setdefault((entry.tap, entry.capability), []).append(entry.message)
+            key = "add_triggers" if entry.kind == "trigger" else "refused_messages"
+            grouped.setdefault((entry.tap, entry.capability), {}).setdefault(key, []).append(entry.message)
     suggestions = [{"tap": tap, "capability": name, "file": str(Path(tap) / "capabilities" / name),
-                    "add_triggers": messages} for (tap, name), messages in sorted(grouped.items())]
+                    **{key: lists.get(key, []) for key in ("add_triggers", "refused_messages")}}
+                   for (tap, name), lists in sorted(grouped.items())]
     if fmt == "json":
         emit_json({"suggestions": suggestions})
         return
     click.echo("# Suggested triggers learned from corrections (capd learned export).\n"
-               "# Review each one; add the good ones to the capability's `triggers`.")
+               "# Review each one; add the good ones to the capability's `triggers`. `refused_messages`\n"
+               "# activated the capability and an agent disabled it at once: reword triggers they resemble.")
     for item in suggestions:
-        click.echo(f"\n[{json.dumps(str(item['capability']))}]\nfile = {json.dumps(item['file'])}\n"
-                   f"add_triggers = {json.dumps(item['add_triggers'], ensure_ascii=False)}")
+        lines = [f"\n[{json.dumps(str(item['capability']))}]", f"file = {json.dumps(item['file'])}"]
+        lines += [f"{key} = {json.dumps(item[key], ensure_ascii=False)}"
+                  for key in ("add_triggers", "refused_messages") if item[key]]
+        click.echo("\n".join(lines))
