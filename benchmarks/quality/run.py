@@ -20,7 +20,7 @@ recomputed) from ``benchmarks/quality/research_results.md``.
 Settings are built directly (no ``CAPD_*`` environment, no user config). Each run uses a fresh
 temporary data directory (a service with sessions and learned corrections gets its own), so
 nothing depends on the user's data; only the model's ONNX export is kept, in
-``benchmarks/.cache/quality``. Takes about 2 minutes here.
+``benchmarks/.cache/quality``. Takes about 5 minutes here (with the tuned models cached).
 """
 
 from __future__ import annotations
