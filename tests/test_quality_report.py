@@ -90,6 +90,7 @@ def test_feedback_loop_learns_from_the_fit_part_only(report: Report) -> None:
     fused = result["sets"]["core"]["rules"]["fused"]["calibrated"]
     assert loop["before"] == fused["held_out"]  # the same router and gates before learning
     assert 0 < loop["learned"] <= loop["corrected"] + loop["refused"] <= loop["routed"] == fused["fit"]["n"]
+    assert loop["refit_traffic"]["routed"] == (fused["fit"]["n"] + 1) // 2  # (b) learns from alternate rows only
     assert loop["refused"] > 0  # fit-part nulls that activated something were disabled: learned abstains
     assert loop["after_same_gates"]["positives"] == fused["held_out"]["positives"]
     assert "| core | " in markdown.split("## Learning from corrections")[1]

@@ -103,21 +103,26 @@ def feedback_lines(result: dict[str, Any]) -> list[str]:
              "(`registry.activate(..., \"manual\")`: a learned trigger); if a null activated a capability, disable "
              "it (`registry.deactivate`: a learned abstain, which vetoes that capability for messages nearer the "
              "refused one than its examples); then `apply_learned()` and score the **held-out** part again. "
-             "The held-out messages are never corrected. *triggers only* leaves the abstains out. (b) refits the "
-             "gates on the fit part, whose mistakes are now learned — so those gates are tuned on memorised rows. "
-             "Rows marked *(tuned model)* do the same with `tune = true` at the gates calibrated for fused + tuned.",
+             "The held-out messages are never corrected. *triggers only* leaves the abstains out. (b) is a "
+             "separate run that corrects alternate fit rows only (counts in brackets) and then recalibrates the "
+             "gates on the other, uncorrected fit rows (the limits of `capd calibrate`), so its gates are not "
+             "fitted on memorised rows. Rows marked *(tuned model)* do the same with `tune = true` at the gates "
+             "calibrated for fused + tuned.",
              "",
              "| set | routed / enabled / disabled / learned | held-out | gates | top1 | fired_right | fired_wrong | "
              "null_fpr |",
              "|---|---|---|---|---|---|---|---|"]
     for name, f in runs.items():
         counts = f"{f['routed']} / {f['corrected']} / {f.get('refused', 0)} / {f['learned']} ({f['seconds']} s)"
+        if "refit_traffic" in f:
+            half = f["refit_traffic"]
+            counts += f" [(b): {half['routed']} / {half['corrected']} / {half['refused']} / {half['learned']}]"
         variants = [("before", f["gates"], f["before"])]
         if "after_triggers_only" in f:
             variants.append(("after, triggers only, same gates", f["gates"], f["after_triggers_only"]))
         variants.append(("after, same gates (a)", f["gates"], f["after_same_gates"]))
         if "after_refit" in f:
-            variants.append(("after, gates refitted on fit (b)", f["refit_gates"], f["after_refit"]))
+            variants.append(("after (b), gates recalibrated on uncorrected rows", f["refit_gates"], f["after_refit"]))
         for label, gates, values in variants:
             cells = " | ".join(fmt(values[m]) for m in METRICS)
             lines.append(f"| {name} | {counts} | {label} | {gates_text(gates, 'fused')} | {cells} |")
