@@ -40,6 +40,7 @@ from capd import fused
 from capd.batching import aembed, aembed_tokens
 from capd.catalog import Capability, Catalog
 from capd.encoder import Encoder, TokenVectors
+from capd.errors import UnknownCapability
 from capd.index import TriggerIndex
 from capd.text import clean_message
 
@@ -251,17 +252,17 @@ class Router:
         """Per message: (refused message, its cosine, the winner's nearest example's cosine) when a
         learned abstain vetoes its winner (:class:`Vetoes`), else None."""
         out: list[tuple[str, float, float] | None] = [None] * len(winners)
-        rows = [i for i, name in enumerate(winners) if name in self.vetoes.vectors]
-        if not rows:
-            return out
-        queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)[rows]
-        names, nearest = self.index.named_scores(queries, 1)
-        column = {n: i for i, n in enumerate(names)}
-        for j, row in enumerate(rows):
-            name = winners[row]
-            sims = self.vetoes.vectors[name] @ queries[j]
+        queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
+        for row, name in enumerate(winners):
+            refused = self.vetoes.vectors.get(name)
+            if refused is None:
+                continue
+            sims = refused @ queries[row]
             best = int(sims.argmax())
-            example = float(nearest[j, column[name]]) if name in column else -1.0
+            try:  # only the winner's own examples are compared, not the whole index
+                example = next((c for _, c in self.index.top_triggers(queries[row], name, 1)), -1.0)
+            except UnknownCapability:  # the index moved on under a router about to be replaced
+                example = -1.0
             if float(sims[best]) > example:
                 out[row] = (self.vetoes.texts[name][best], float(sims[best]), example)
         return out

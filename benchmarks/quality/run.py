@@ -35,7 +35,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -261,33 +262,37 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
     fit_rows, held_rows = split(fixtures)
     grid = grid_for("fused")
     out: dict[str, Any] = {"gates": gates.as_dict()}
-    for traffic in (fit_rows, fit_rows[0::2]):
-        service = bench.service(evalset.tap, "fused", sessions=True, gates=gates,
-                                tuned_as=evalset.name if tuned else None)
-        try:
-            if tuned and service.tuning.status != "ready":
-                return {"error": f"the tuned model is not available: {service.tuning.error or service.tuning.status}"}
-            vectors = bench.vectors(service, fixtures) if vectors is None else vectors
-            tokens = bench.tokens(service, fixtures)
-            if traffic is fit_rows:
-                out["before"] = gated(score_table(service.router, fixtures, vectors=vectors, tokens=tokens),
-                                      held_rows, gates.threshold, gates.margin)
-                out.update(correct(service, fixtures, traffic))
-                triggers_only = copy.copy(service.router)
-                triggers_only.vetoes = Vetoes()
-                for key, router in (("after_triggers_only", triggers_only), ("after_same_gates", service.router)):
-                    table = score_table(router, fixtures, vectors=vectors, tokens=tokens)
-                    out[key] = gated(table, held_rows, gates.threshold, gates.margin)
-                continue
-            out["refit_traffic"] = correct(service, fixtures, traffic)
-            after = score_table(service.router, fixtures, vectors=vectors, tokens=tokens)
-            refit, _ = best_point({grid.top_ks[0]: after.subset(fit_rows[1::2])}, grid=grid, **LIMITS)
-            if refit is not None:
-                out["refit_gates"] = refit.as_dict()
-                out["after_refit"] = gated(after, held_rows, refit.threshold, refit.margin)
-        finally:
-            service.close()
+    with loop_service(bench, evalset, gates, tuned) as service:
+        if tuned and service.tuning.status != "ready":
+            return {"error": f"the tuned model is not available: {service.tuning.error or service.tuning.status}"}
+        vectors = bench.vectors(service, fixtures) if vectors is None else vectors
+        tokens = bench.tokens(service, fixtures)
+        out["before"] = gated(score_table(service.router, fixtures, vectors=vectors, tokens=tokens),
+                              held_rows, gates.threshold, gates.margin)
+        out.update(correct(service, fixtures, fit_rows))
+        triggers_only = copy.copy(service.router)
+        triggers_only.vetoes = Vetoes()
+        for key, router in (("after_triggers_only", triggers_only), ("after_same_gates", service.router)):
+            table = score_table(router, fixtures, vectors=vectors, tokens=tokens)
+            out[key] = gated(table, held_rows, gates.threshold, gates.margin)
+    with loop_service(bench, evalset, gates, tuned) as service:
+        out["refit_traffic"] = correct(service, fixtures, fit_rows[0::2])
+        after = score_table(service.router, fixtures, vectors=vectors, tokens=bench.tokens(service, fixtures))
+        refit, _ = best_point({grid.top_ks[0]: after.subset(fit_rows[1::2])}, grid=grid, **LIMITS)
+        if refit is not None:
+            out["refit_gates"] = refit.as_dict()
+            out["after_refit"] = gated(after, held_rows, refit.threshold, refit.margin)
     return out
+
+
+@contextmanager
+def loop_service(bench: Bench, evalset: EvalSet, gates: Point, tuned: bool) -> Iterator[Service]:
+    """A fused service with sessions and learning at ``gates``, closed afterwards."""
+    service = bench.service(evalset.tap, "fused", sessions=True, gates=gates, tuned_as=evalset.name if tuned else None)
+    try:
+        yield service
+    finally:
+        service.close()
 
 
 def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = True) -> dict[str, Any]:
