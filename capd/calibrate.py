@@ -7,6 +7,16 @@ point is the one with the most ``fired_right`` on the fitting part whose ``null_
 ``fired_wrong`` stay within the limits (ties go to the higher threshold, then the higher
 margin: the more cautious point). The same point is then reported on the held-out part.
 
+For the ``capd`` and ``fused`` rules the sweep runs twice: without and with the shipped abstain
+corpus (:func:`capd.router.abstain_corpus`: a winner is vetoed when the message is nearer one
+of those generic messages than to the winner's nearest example). The corpus is kept only when
+it adds at least ``CORPUS_MIN_GAIN`` to ``fired_right`` on the fitting part within the limits
+(on taps/core's ``capd`` rule it added one fit row of 157, 0.007, and cost 0.015 held out; a gain
+that small is noise). It pays on taps
+whose traffic holds chitchat, feedback and pasted logs (an agent's tools), and costs taps whose
+capabilities are themselves everyday requests (weather, music), so it is the tap's fixtures
+that decide.
+
 ``--write`` stores the point in ``<tap>/capd.toml`` (``[gates]`` plus the model it was fitted
 for); capability files are never touched.
 """
@@ -16,19 +26,21 @@ from __future__ import annotations
 import hashlib
 import tomllib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from capd import fused
+from capd.encoder import TokenVectors
 from capd.errors import TapFileError
 from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
 from capd.fixtures import Fixture
 from capd.router import Router
 
 HELD_OUT_SHARE = 0.3
+CORPUS_MIN_GAIN = 0.02  # fit fired_right the abstain corpus must add to be kept
 
 
 @dataclass(frozen=True)
@@ -66,10 +78,12 @@ class Point:
     fired_right: float
     fired_wrong: float
     null_fpr: float
+    abstain_corpus: bool = False
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | bool]:
         return {"top_k": self.top_k, "threshold": self.threshold, "margin": self.margin,
-                "fired_right": self.fired_right, "fired_wrong": self.fired_wrong, "null_fpr": self.null_fpr}
+                "fired_right": self.fired_right, "fired_wrong": self.fired_wrong, "null_fpr": self.null_fpr,
+                "abstain_corpus": self.abstain_corpus}
 
 
 def sweep(table: ScoreTable, grid: Grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,23 +136,56 @@ def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: fl
     return best, [curve[t] for t in sorted(curve)]
 
 
+@dataclass(frozen=True)
+class Fitted:
+    """What :func:`fit_gates` chose: the point (None: nothing meets the limits), its operating
+    curve, the chosen variant's score tables for every top_k, and the best fit ``fired_right``
+    without and with the abstain corpus (None: not tried, or nothing met the limits)."""
+
+    point: Point | None
+    curve: list[Point]
+    tables: dict[int, ScoreTable]
+    corpus: dict[str, float | None]
+
+
+def fit_gates(router: Router, fixtures: Sequence[Fixture], vectors: np.ndarray, tokens: TokenVectors | None,
+              max_null_fpr: float = 0.05, max_wrong: float = 0.03, grid: Grid | None = None,
+              rows: np.ndarray | None = None) -> Fitted:
+    """Sweep the gates on the fit part of ``fixtures`` (embedded as ``vectors``/``tokens`` by
+    :func:`embed_fixtures`), or on ``rows``, without and (``capd``, ``fused``) with the abstain corpus."""
+    fit_rows = split(fixtures)[0] if rows is None else rows
+    grid = grid or grid_for(router.rule)
+    chosen: Fitted | None = None
+    corpus: dict[str, float | None] = {"without": None, "with": None}
+    for on in (False, True) if router.rule != "anchor" else (False,):
+        variant = router.with_abstain_corpus(on)
+        full = {k: score_table(variant, fixtures, top_k=k, vectors=vectors, tokens=tokens) for k in grid.top_ks}
+        point, curve = best_point({k: t.subset(fit_rows) for k, t in full.items()}, max_null_fpr, max_wrong, grid)
+        point = replace(point, abstain_corpus=on) if point is not None else None
+        corpus["with" if on else "without"] = point.fired_right if point is not None else None
+        if chosen is None or (point is not None and (chosen.point is None or point.fired_right
+                                                     >= chosen.point.fired_right + CORPUS_MIN_GAIN - 1e-9)):
+            chosen = Fitted(point, curve, full, corpus)
+    assert chosen is not None
+    return chosen
+
+
 def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float = 0.05,
               max_wrong: float = 0.03) -> dict[str, Any]:
     fit_rows, held_rows = split(fixtures)
     vectors, tokens = embed_fixtures(router, fixtures)
-    grid = grid_for(router.rule)
-    full = {k: score_table(router, fixtures, top_k=k, vectors=vectors, tokens=tokens) for k in grid.top_ks}
-    fit = {k: t.subset(fit_rows) for k, t in full.items()}
-    point, curve = best_point(fit, max_null_fpr, max_wrong, grid)
+    fitted = fit_gates(router, fixtures, vectors, tokens, max_null_fpr, max_wrong)
+    point = fitted.point
     report: dict[str, Any] = {
         "rule": router.rule,
         "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
         "rows": {"fit": len(fit_rows), "held_out": len(held_rows)},
         "recommended": point.as_dict() if point else None,
-        "curve": [c.as_dict() for c in curve],
+        "abstain_corpus": fitted.corpus,
+        "curve": [c.as_dict() for c in fitted.curve],
     }
     if point is not None:
-        table = full[point.top_k]
+        table = fitted.tables[point.top_k]
         for label, rows in (("fit", fit_rows), ("held_out", held_rows)):
             sub = table.subset(rows)
             report[label] = metrics(sub, apply_gates(sub, point.threshold, point.margin))
@@ -148,8 +195,9 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
 def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd") -> Path:
     """Store gates for ``rule`` in ``<tap>/capd.toml``, keeping the other rule's gates.
 
-    Only capd's own file is written. Gates recorded for another model are dropped (each
-    model has its own scale); a ``capd.toml`` that does not parse is left alone (error).
+    ``abstain_corpus = true`` is written when the point chose the corpus. Only capd's own
+    file is written. Gates recorded for another model are dropped (each model has its own
+    scale); a ``capd.toml`` that does not parse is left alone (error).
     """
     path = tap / "capd.toml"
     existing: dict[str, Any] = {}
@@ -162,16 +210,18 @@ def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd"
     fused_gates = dict((existing.get("gates") or {}).get("fused") or {})
     if existing.get("model") not in (None, model):
         cosine, fused_gates = {}, {}
+    switch = {"abstain_corpus": True} if point.get("abstain_corpus") else {}
     if rule == "fused":
-        fused_gates = {"threshold": point["threshold"], "margin": point["margin"]}
+        fused_gates = {"threshold": point["threshold"], "margin": point["margin"], **switch}
     else:
-        cosine = {"threshold": point["threshold"], "margin": point["margin"], "top_k": point["top_k"]}
+        cosine = {"threshold": point["threshold"], "margin": point["margin"], "top_k": point["top_k"], **switch}
     lines = ["# Written by `capd calibrate --write`. Gates for this tap's capabilities: [gates] for the",
              "# anchor and capd rules, [gates.fused] for the fused rule. CAPD_THRESHOLD / CAPD_MARGIN /",
              "# CAPD_TOP_K and flags still override them.", f'model = "{model}"', ""]
     for header, values in (("[gates]", cosine), ("[gates.fused]", fused_gates)):
         if values:
-            lines += [header, *(f"{k} = {v}" for k, v in values.items()), ""]
+            lines += [header, *(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()),
+                      ""]
     tmp = path.with_suffix(".toml.tmp")
     tmp.write_text("\n".join(lines), encoding="utf-8")
     tmp.replace(path)

@@ -197,11 +197,11 @@ class TapConfig:
     """``<tap>/capd.toml``: per-tap gate overrides written by ``capd calibrate --write``."""
 
     path: Path
-    gates: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))  # anchor and capd rules
+    gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # anchor and capd rules
     model: str | None = None  # the model the gates were calibrated for; other models ignore them
-    fused_gates: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))  # [gates.fused]
+    fused_gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # [gates.fused]
 
-    def gates_for(self, rule: str) -> Mapping[str, float]:
+    def gates_for(self, rule: str) -> Mapping[str, float | bool]:
         return self.fused_gates if rule == "fused" else self.gates
 
 

@@ -59,13 +59,12 @@ TEMPERATURE = 0.05  # τ
 LEXICAL_WEIGHT = 0.02  # W_BM
 TOP_K = 3
 HEAD_C = 10.0  # inverse L2 strength of the head (scikit-learn's C)
-LEARNED_WEIGHT = 2.0  # a learned correction's weight in the head's fit, against 1 for a trigger
 HEAD_BUDGET = 20_000_000  # examples × capabilities above which no head is fitted
 RESCORE_WEIGHT = 10.0  # β of the second stage, in F's log-odds units per unit of MaxSim
 RESCORE_CANDIDATES = 5
 TOKEN_BUDGET = 100_000  # example token rows kept for the second stage (~150 MB of float32 at dim 384)
 BM25_K1, BM25_B = 1.2, 0.75
-VERSION = "fused-2"  # bump when anything above changes the cached heads
+VERSION = "fused-3"  # bump when anything above changes the cached heads
 
 _WORD = re.compile(r"[a-z0-9]+")
 _STOP_WORDS = """
@@ -264,8 +263,7 @@ def in_class_similarity(vectors: Floats, labels: npt.NDArray[np.int64], columns:
     return out
 
 
-def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int,
-             sample_weight: Floats | None = None) -> tuple[Floats, Floats]:
+def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tuple[Floats, Floats]:
     """Multinomial logistic regression on the example embeddings: weight ``[dim, C]``, bias ``[C]``."""
     from sklearn.linear_model import LogisticRegression  # imported only when a head is fitted
 
@@ -276,7 +274,7 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int,
         bias[present[0]] = 0.0
         return weight, bias
     model = LogisticRegression(C=HEAD_C, max_iter=3000)
-    model.fit(vectors, labels, sample_weight=sample_weight)
+    model.fit(vectors, labels)
     coef = np.asarray(model.coef_, dtype=np.float32)
     intercept = np.asarray(model.intercept_, dtype=np.float32)
     if len(present) == 2:  # scikit-learn returns one row for two classes: log-odds of the second
@@ -296,15 +294,13 @@ def head_key(model_id: str, names: Sequence[str], fingerprints: Sequence[str]) -
 
 def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors: Floats,
                labels: npt.NDArray[np.int64], key: str, cache_dir: Path | None,
-               learned: Sequence[bool] | None = None,
                embed_tokens: EmbedTokens | None = None,
                previous: ExampleTokens | None = None) -> FusedHead:
     """Fit (or load from ``cache_dir``) the head for these examples; ``documents`` feed BM25
     and, flattened, are the examples' texts (in ``vectors`` order).
 
-    ``learned`` marks the examples that are learned corrections: they weigh
-    :data:`LEARNED_WEIGHT` in the head's fit (one correction among a capability's dozen
-    triggers would otherwise barely move it). ``embed_tokens`` gives texts' token vectors
+    A learned correction is an example like any trigger (an extra weight for them measured no
+    better: ``benchmarks/quality/README.md``). ``embed_tokens`` gives texts' token vectors
     for the second stage (None: no second stage); texts already in ``previous`` are reused.
     """
     columns = len(names)
@@ -333,8 +329,7 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
         in_class = in_class_similarity(vectors, labels, columns)
         weight = bias = None
         if len(vectors) * columns <= HEAD_BUDGET and columns > 0:
-            weights = None if learned is None else np.where(np.asarray(learned), LEARNED_WEIGHT, 1.0)
-            weight, bias = fit_head(vectors, labels, columns, weights)
+            weight, bias = fit_head(vectors, labels, columns)
         elif columns > 0:
             log.warning("fused rule: %d examples x %d capabilities is over the head budget (%d); "
                         "ranking on nearest examples and BM25 only", len(vectors), columns, HEAD_BUDGET)

@@ -26,6 +26,7 @@ and are overridden by settings (``--threshold`` / ``CAPD_THRESHOLD`` …) above 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -56,9 +57,11 @@ class Gates:
     threshold: float
     margin: float
     top_k: int = 3
+    abstain_corpus: bool = False  # veto with the shipped abstain corpus too (:class:`Vetoes`); not for anchor
 
-    def as_dict(self) -> dict[str, float | int]:
-        return {"threshold": self.threshold, "margin": self.margin, "top_k": self.top_k}
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return {"threshold": self.threshold, "margin": self.margin, "top_k": self.top_k,
+                "abstain_corpus": self.abstain_corpus}
 
 
 @dataclass(frozen=True)
@@ -71,14 +74,25 @@ class GateBook:
     def for_tap(self, tap: Path | None) -> Gates:
         return self.by_tap.get(tap, self.default) if tap is not None else self.default
 
+    @property
+    def abstain_corpus(self) -> bool:
+        """Whether any tap's gates veto with the abstain corpus."""
+        return any(g.abstain_corpus for g in (self.default, *self.by_tap.values()))
 
-def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str, float | int | None],
+    def with_abstain_corpus(self, on: bool) -> GateBook:
+        """The same gates with the abstain corpus on (or off) for every tap."""
+        return GateBook(replace(self.default, abstain_corpus=on),
+                        MappingProxyType({t: replace(g, abstain_corpus=on) for t, g in self.by_tap.items()}))
+
+
+def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str, float | int | bool | None],
                    model: str | None = None, rule: str = "capd") -> GateBook:
-    """Manifest < tap ``capd.toml`` < settings overrides (``threshold``, ``margin``, ``top_k``).
+    """Manifest < tap ``capd.toml`` < settings overrides (``threshold``, ``margin``, ``top_k``,
+    ``abstain_corpus``).
 
     ``model_gates`` are the manifest's gates for ``rule``; a tap contributes its gates for
-    that rule. A tap's gates calibrated for another model are ignored (each model has its
-    own cosine scale).
+    that rule (``abstain_corpus`` too, which ``anchor`` ignores). A tap's gates calibrated for
+    another model are ignored (each model has its own cosine scale).
     """
     given = {k: v for k, v in overrides.items() if v is not None}
     configs = {t: c for t, c in catalog.tap_configs.items() if model is None or c.model in (None, model)}
@@ -87,10 +101,11 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
             log.warning("%s: gates were calibrated for model %s, not %s; using the model's defaults",
                         config.path, config.model, model)
 
-    def apply(base: Gates, values: Mapping[str, float | int]) -> Gates:
+    def apply(base: Gates, values: Mapping[str, float | int | bool]) -> Gates:
         known = {k: values[k] for k in ("threshold", "margin") if k in values}
         top_k = int(values["top_k"]) if "top_k" in values else base.top_k
-        return replace(base, **{k: float(v) for k, v in known.items()}, top_k=top_k)
+        corpus = bool(values.get("abstain_corpus", base.abstain_corpus)) and rule != "anchor"
+        return replace(base, **{k: float(v) for k, v in known.items()}, top_k=top_k, abstain_corpus=corpus)
 
     # One top_k for the whole catalog (scores must be comparable across taps): settings, else the
     # first tap (in precedence order) whose capd.toml sets it, else the manifest.
@@ -172,16 +187,20 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
 
 @dataclass(frozen=True)
 class Vetoes:
-    """Learned abstains (:mod:`capd.learned`): per capability, the messages an agent refused it for.
+    """Abstains that veto a winner: per capability, the messages an agent refused it for
+    (learned abstains, :mod:`capd.learned`), and the shipped abstain corpus
+    (:func:`abstain_corpus`) for the capabilities whose tap's gates turn it on.
 
     A winner that cleared the gates is vetoed when the message is closer to one of them than
-    to the capability's nearest example: nearest-neighbour evidence that the agent said no to
-    a message like this one. No constant to tune, and a message equal to one of the
+    to the capability's nearest example: nearest-neighbour evidence that this message is like
+    one that must not take it. No constant to tune, and a message equal to one of the
     capability's own triggers is never vetoed.
     """
 
     texts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     vectors: Mapping[str, np.ndarray] = field(default_factory=dict)  # name -> unit rows [n, dim], as texts
+    corpus: tuple[str, ...] = ()
+    corpus_vectors: np.ndarray | None = None  # unit rows [len(corpus), dim]
 
     @classmethod
     def build(cls, refused: Mapping[str, Sequence[str]], vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
@@ -196,8 +215,45 @@ class Vetoes:
             start += len(messages)
         return cls(MappingProxyType(texts), MappingProxyType(vectors))
 
+    def with_corpus(self, vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
+        """These vetoes plus the abstain corpus (embedded once; kept when already there)."""
+        if self.corpus_vectors is not None:
+            return self
+        corpus = abstain_corpus()
+        return replace(self, corpus=corpus, corpus_vectors=np.asarray(vectors_of(list(corpus)), dtype=np.float32))
+
+    def candidates(self, name: str, corpus: bool) -> list[tuple[tuple[str, ...], np.ndarray, bool]]:
+        """(messages, their vectors, learned?) that can veto ``name``."""
+        out = []
+        if name in self.vectors:
+            out.append((self.texts[name], self.vectors[name], True))
+        if corpus and self.corpus_vectors is not None:
+            out.append((self.corpus, self.corpus_vectors, False))
+        return out
+
     def __len__(self) -> int:
-        return sum(len(t) for t in self.texts.values())
+        return sum(len(t) for t in self.texts.values()) + len(self.corpus)
+
+
+ABSTAIN_CORPUS = Path(__file__).with_name("abstain_corpus.txt")
+
+
+def abstain_corpus() -> tuple[str, ...]:
+    """The shipped abstain corpus: chitchat, thanks, vague asks, feedback ("still broken"),
+    pasted logs and errors, off-topic requests, in our own words; one message per line."""
+    lines = ABSTAIN_CORPUS.read_text(encoding="utf-8").splitlines()
+    return tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a winner is vetoed: the nearest vetoing message, its cosine, the winner's nearest
+    example's cosine, and whether the message is a learned abstain (else the abstain corpus)."""
+
+    message: str
+    similarity: float
+    example: float
+    learned: bool
 
 
 class Router:
@@ -205,7 +261,7 @@ class Router:
 
     ``index`` holds the rule's examples (:func:`example_catalog`); ``head`` is required
     for the ``fused`` rule and built from that index (:meth:`capd.service.Service.reload`);
-    ``vetoes`` are learned abstains (ignored by ``anchor``).
+    ``vetoes`` are learned abstains and the abstain corpus (ignored by ``anchor``).
     """
 
     def __init__(self, encoder: Encoder, index: TriggerIndex, catalog: Catalog, gates: GateBook,
@@ -248,34 +304,46 @@ class Router:
         vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
         return self.head.names, self.head.score(knn, vectors, texts, tokens)
 
-    def refusals(self, vectors: np.ndarray, winners: Sequence[str]) -> list[tuple[str, float, float] | None]:
-        """Per message: (refused message, its cosine, the winner's nearest example's cosine) when a
-        learned abstain vetoes its winner (:class:`Vetoes`), else None."""
-        out: list[tuple[str, float, float] | None] = [None] * len(winners)
+    def refusals(self, vectors: np.ndarray, winners: Sequence[str]) -> list[Refusal | None]:
+        """Per message: the :class:`Refusal` that vetoes its winner (:class:`Vetoes`), else None."""
+        out: list[Refusal | None] = [None] * len(winners)
         queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
         for row, name in enumerate(winners):
-            refused = self.vetoes.vectors.get(name)
-            if refused is None:
+            candidates = self.vetoes.candidates(name, self._gates_for(name).abstain_corpus)
+            if not candidates:
                 continue
-            sims = refused @ queries[row]
-            best = int(sims.argmax())
+            nearest = []  # per source: (cosine, message, learned?) of its message nearest to this one
+            for texts, matrix, learned in candidates:
+                sims = matrix @ queries[row]
+                best = int(sims.argmax())
+                nearest.append((float(sims[best]), texts[best], learned))
+            similarity, message, learned = max(nearest)
             try:  # only the winner's own examples are compared, not the whole index
                 example = next((c for _, c in self.index.top_triggers(queries[row], name, 1)), -1.0)
             except UnknownCapability:  # the index moved on under a router about to be replaced
                 example = -1.0
-            if float(sims[best]) > example:
-                out[row] = (self.vetoes.texts[name][best], float(sims[best]), example)
+            if similarity > example:
+                out[row] = Refusal(message, similarity, example, learned)
         return out
+
+    def with_abstain_corpus(self, on: bool) -> Router:
+        """This router with the abstain corpus on (or off) for every tap (``capd calibrate``
+        tries both); the corpus is embedded here if no tap used it yet."""
+        router = copy.copy(self)
+        router.gates = self.gates.with_abstain_corpus(on and self.rule != "anchor")
+        if on and self.rule != "anchor":
+            router.vetoes = self.vetoes.with_corpus(self.encoder.embed)
+        return router
 
     def _vetoed(self, vector: np.ndarray, name: str, score: float, margin: float,
                 candidates: tuple[tuple[str, float], ...]) -> Decision | None:
-        """The abstain a learned refusal turns an activation of ``name`` into, if any."""
+        """The abstain a veto turns an activation of ``name`` into, if any."""
         refusal = self.refusals(vector[None, :], [name])[0]
         if refusal is None:
             return None
-        message, similarity, example = refusal
-        return Decision("abstain", f"{name} vetoed: the message is closer to {message[:60]!r} ({similarity:.2f}), "
-                        f"which an agent refused it for, than to its nearest example ({example:.2f})",
+        who = "which an agent refused it for" if refusal.learned else "a message of capd's abstain corpus"
+        return Decision("abstain", f"{name} vetoed: the message is closer to {refusal.message[:60]!r} "
+                        f"({refusal.similarity:.2f}), {who}, than to its nearest example ({refusal.example:.2f})",
                         name, score, margin, candidates)
 
     def embed(self, text: str) -> tuple[np.ndarray, TokenVectors | None]:

@@ -271,11 +271,14 @@ class Service:
         report = self.index.sync(examples, self.embedder)
         self.counters.embedded += report.embedded
         self.counters.cached += report.cached
-        head = self._fused_head(examples) if rule == "fused" else None
+        head = self._fused_head() if rule == "fused" else None
         refused = self._learned_examples(catalog, "abstain") if rule != "anchor" else {}
         embedder = self.embedder
         vetoes = Vetoes.build(refused, lambda texts: embedder.embed(texts)[0])
-        router = Router(self.encoder, self.index, catalog, self._gatebook(catalog), rule=rule,
+        gates = self._gatebook(catalog)
+        if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
+            vetoes = vetoes.with_corpus(lambda texts: embedder.embed(texts)[0])
+        router = Router(self.encoder, self.index, catalog, gates, rule=rule,
                         min_chars=self.settings.min_chars, head=head, vetoes=vetoes)
         self._snapshot = Snapshot(catalog, router)
         return report
@@ -417,19 +420,17 @@ class Service:
             self._publish(snapshot.catalog)
             return sum(len(v) for kind in KINDS for v in self._learned_examples(snapshot.catalog, kind).values())
 
-    def _fused_head(self, examples: Catalog) -> FusedHead:
+    def _fused_head(self) -> FusedHead:
         """The fused rule's head for the index as it now stands (cached in the data directory)."""
         assert self.index is not None and self.embedder is not None and self.encoder is not None
         names, vectors, labels = self.index.examples()
         key = head_key(self.embedder.model_id, names, [self.index.fingerprint_of(n) or "" for n in names])
         documents = [self.index.triggers(n) for n in names]
-        learned = self._learned_examples(examples)
-        flags = [text in learned.get(n, ()) for n, texts in zip(names, documents, strict=True) for text in texts]
         current = self._snapshot.router if self._snapshot is not None else None
         previous = (current.head.tokens if current is not None and current.head is not None
                     and current.encoder.model_id == self.encoder.model_id else None)  # not across a model swap
         return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
-                          flags if any(flags) else None, self.encoder.embed_tokens, previous)
+                          self.encoder.embed_tokens, previous)
 
     def _learned_examples(self, catalog: Catalog, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
         """Learned corrections of ``kind`` of this catalog's capabilities (those recorded for their tap)."""
@@ -447,7 +448,7 @@ class Service:
         manifest = manifest_for(self.settings)
         rule = self.settings.rule
         overrides = {"threshold": self.settings.threshold, "margin": self.settings.margin,
-                     "top_k": self.settings.top_k}
+                     "top_k": self.settings.top_k, "abstain_corpus": self.settings.abstain_corpus}
         gates = manifest.gates_for(rule)
         model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]))
         return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule)

@@ -74,6 +74,7 @@ class Settings:
     threshold: float | None = None
     margin: float | None = None
     top_k: int | None = None
+    abstain_corpus: bool | None = None  # veto with the shipped abstain corpus (None: each tap's capd.toml says)
     max_active: int = 4
     min_chars: int = 8
     pinned: tuple[str, ...] = ()
@@ -207,6 +208,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "threshold": _unit_float,
     "margin": _margin,
     "top_k": _positive_int,
+    "abstain_corpus": _as_bool,
     "max_active": _positive_int,
     "min_chars": _as_int,
     "pinned": _as_names,

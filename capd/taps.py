@@ -42,6 +42,7 @@ MAX_FILE_BYTES = 1 << 20
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 TAP_CONFIG = "capd.toml"
 GATE_KEYS = ("threshold", "margin", "top_k")
+SWITCH = "abstain_corpus"  # a gate table's on/off key: veto with the shipped abstain corpus (capd/router.py)
 _TOML_POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
 _HEADER = re.compile(r"^#\s*(Title|Description)\s*:\s*(.*?)\s*$")
 
@@ -351,14 +352,20 @@ def load_tap_config(tap: Path) -> tuple[TapConfig | None, list[Problem]]:
                      fused_gates=MappingProxyType(fused_gates)), []
 
 
-def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any], known: Sequence[str]) -> dict[str, float]:
-    gates: dict[str, float] = {}
+def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any],
+                 known: Sequence[str]) -> dict[str, float | bool]:
+    gates: dict[str, float | bool] = {}
     for key, value in raw.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if key not in (*known, SWITCH):
+            raise check.fail(f"{where}.{key}", f"is not a gate (known: {', '.join((*known, SWITCH))})")
+        if key == SWITCH:
+            if not isinstance(value, bool):
+                raise check.fail(f"{where}.{key}", "must be true or false")
+            gates[key] = value
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise check.fail(f"{where}.{key}", "must be a number")
-        if key not in known:
-            raise check.fail(f"{where}.{key}", f"is not a gate (known: {', '.join(known)})")
-        gates[key] = float(value)
+        else:
+            gates[key] = float(value)
     return gates
 
 

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,13 +14,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import COSINE_GRID, best_point, split, sweep
+from capd.calibrate import COSINE_GRID, best_point, fit_gates, split, sweep
 from capd.cli import main
 from capd.errors import FixtureError
-from capd.evaluation import ScoreTable, apply_gates, breakdown, metrics
+from capd.evaluation import ScoreTable, apply_gates, breakdown, embed_fixtures, metrics
 from capd.fixtures import Fixture, load_fixtures
+from capd.router import abstain_corpus
+from capd.service import Service
 from capd.settings import Settings, default_taps
-from tests.taputil import octomind_tap
+from tests.conftest import SettingsFactory
+from tests.taputil import octomind_tap, write_capability
 
 
 def _table() -> ScoreTable:
@@ -190,3 +194,32 @@ def test_cautious_calibration_trial_modes_accept_a_subset_of_the_shipped_points(
         _, ok = feasible(table, COSINE_GRID, mode)
         assert not (ok & ~plain).any()
         assert ok.sum() < plain.sum()
+
+
+def test_calibration_keeps_the_abstain_corpus_only_when_it_fires_right_more_often(
+        settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """Deterministic encoder: a null that is a corpus message and outscores a positive binds the gates
+    without the corpus; with it, the null is vetoed and the positive can fire. Without such a null the
+    corpus only costs (it vetoes a positive phrased like a corpus message), so it stays off."""
+    null, phrased_like_corpus = "help me write a birthday message for my mum", "thanks, appreciate the help"
+    assert {null, phrased_like_corpus} <= set(abstain_corpus())
+    tap = tmp_path / "tap"
+    write_capability(tap, "greetings", ["write a birthday message for a friend", "send birthday wishes"])
+    write_capability(tap, "helpdesk", ["open a helpdesk ticket", "thanks the helpdesk will help"])
+    with closing(Service(settings_factory(taps=(tap,), rule="capd")).start()) as service:
+        router = service.router
+        positives = [Fixture("birthday greetings for my friend please", ("greetings",), "positive", "t:1"),
+                     Fixture("open a ticket with the helpdesk", ("helpdesk",), "positive", "t:2")]
+        cases = {"a null outscoring a positive": [*positives, Fixture(null, (), "null", "t:3")],
+                 "a positive phrased like the corpus": [*positives, Fixture(phrased_like_corpus, ("helpdesk",),
+                                                                            "positive", "t:3")]}
+        chosen = {}
+        for label, fixtures in cases.items():
+            vectors, tokens = embed_fixtures(router, fixtures)
+            fitted = fit_gates(router, fixtures, vectors, tokens, rows=np.arange(len(fixtures)))
+            assert fitted.point is not None and fitted.corpus["without"] is not None
+            chosen[label] = (fitted.point.abstain_corpus, fitted.corpus)
+    on, tried = chosen["a null outscoring a positive"]
+    assert on and tried["with"] == 1.0 and tried["without"] < 1.0
+    on, tried = chosen["a positive phrased like the corpus"]
+    assert not on and tried["without"] == 1.0 and tried["with"] < 1.0

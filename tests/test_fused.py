@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 import tomllib
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +16,13 @@ import pytest
 from capd import fused as fused_module
 from capd.calibrate import calibrate, write_gates
 from capd.catalog import Capability
-from capd.encoder import HashEncoder, TokenVectors, Vectors
+from capd.encoder import Encoder, HashEncoder, TokenVectors, Vectors
 from capd.evaluation import evaluate, score_table
 from capd.fixtures import load_fixtures
 from capd.fused import ExampleTokens, FusedHead, Lexicon, fit_head, in_class_similarity, words
 from capd.models import load_manifests, manifest_for
 from capd.report_html import render
-from capd.router import Router, example_texts
+from capd.router import Router, abstain_corpus, example_texts
 from capd.service import Service
 from capd.settings import Settings, default_taps
 from capd.taps import load_tap_config
@@ -196,7 +198,8 @@ def test_each_part_adds_to_top1_on_the_shipped_tap(fused_core: Service, model_se
 def test_second_stage_fires_more_often_right_on_the_shipped_tap(fused_core: Service,
                                                                  core_fixtures: list[Any]) -> None:
     """Late interaction over token vectors settles near ties that pooled vectors blur. Measured on
-    taps/core, gates calibrated on the fit part: held-out fired_right 0.754 without, 0.800 with."""
+    taps/core, gates calibrated on the fit part (both with the abstain corpus): held-out fired_right
+    0.754 without, 0.815 with."""
     router = fused_core.router
     head = router.head
     assert head is not None and head.tokens is not None
@@ -229,21 +232,58 @@ def test_fused_default_gates_route_and_abstain(fused_core: Service) -> None:
 
 def test_calibrate_fused_and_write_keeps_the_other_rules_gates(fused_core: Service, core_fixtures: list[Any],
                                                                tmp_path: Path) -> None:
+    """Calibration on taps/core keeps the abstain corpus for the fused rule (fit fired_right 0.758
+    without, 0.822 with, at null_fpr 0.045 both), and ``--write`` records that choice."""
     report = calibrate(fused_core.router, core_fixtures)
     point = report["recommended"]
     assert report["rule"] == "fused" and point["top_k"] == 3
     assert report["fit"]["null_fpr"] <= 0.05 and report["fit"]["fired_wrong"] <= 0.03
+    tried = report["abstain_corpus"]
+    assert point["abstain_corpus"] and tried["with"] > tried["without"]
+    assert report["fit"]["fired_right"] == tried["with"]
     tap = tmp_path / "tap"
     (tap / "capabilities").mkdir(parents=True)
-    write_gates(tap, {"threshold": 0.4, "margin": 0.05, "top_k": 2}, "all-minilm-l6-v2", "capd")
+    write_gates(tap, {"threshold": 0.4, "margin": 0.05, "top_k": 2, "abstain_corpus": True}, "all-minilm-l6-v2",
+                "capd")
     write_gates(tap, point, "all-minilm-l6-v2", "fused")
+    fused_gates = {"threshold": point["threshold"], "margin": point["margin"], "abstain_corpus": True}
     written = tomllib.loads((tap / "capd.toml").read_text())
     assert written["gates"]["threshold"] == 0.4 and written["gates"]["top_k"] == 2
-    assert written["gates"]["fused"] == {"threshold": point["threshold"], "margin": point["margin"]}
+    assert written["gates"]["abstain_corpus"] is True and written["gates"]["fused"] == fused_gates
     config, problems = load_tap_config(tap)
     assert not problems and config is not None
-    assert config.gates_for("fused") == {"threshold": point["threshold"], "margin": point["margin"]}
+    assert config.gates_for("fused") == fused_gates
     assert config.gates_for("capd")["threshold"] == 0.4
+    write_gates(tap, {**point, "abstain_corpus": False}, "all-minilm-l6-v2", "fused")
+    assert "abstain_corpus" not in tomllib.loads((tap / "capd.toml").read_text())["gates"]["fused"]
+
+
+def test_the_abstain_corpus_vetoes_where_a_taps_gates_turn_it_on(model_settings: Settings, tmp_path: Path) -> None:
+    """At the gates calibration picks for taps/core (level -0.30, gap 1.8), thanks and pasted
+    errors that clear the gates are vetoed by their nearest corpus message; a task is not."""
+    tap = tmp_path / "core"
+    shutil.copytree(CORE, tap, ignore=shutil.ignore_patterns("fixtures"))
+    (tap / "capd.toml").write_text('model = "all-minilm-l6-v2"\n[gates.fused]\nthreshold = -0.3\nmargin = 1.8\n'
+                                   "abstain_corpus = true\n")
+    settings = dataclasses.replace(model_settings, taps=(tap,), rule="fused")
+    thanks, task = "exactly what I wanted, nice", "show me the open pull requests on our github repo"
+    with closing(Service(settings).start()) as service:
+        vetoed = service.router.route(thanks)
+        assert vetoed.decision == "abstain" and vetoed.capability == "memory"
+        assert "vetoed" in vetoed.reason and "abstain corpus" in vetoed.reason
+        assert service.router.route(task).capability == "github"
+        assert service.router.route(task).decision == "activate"
+    with closing(Service(dataclasses.replace(settings, abstain_corpus=False)).start()) as service:
+        assert service.router.route(thanks).decision == "activate"  # a setting overrides the tap's choice
+
+
+def test_the_abstain_corpus_holds_no_near_copy_of_a_shipped_fixture(real_encoder: Encoder,
+                                                                    core_fixtures: list[Any]) -> None:
+    """Calibration and `make quality` score taps/core with the corpus on: a corpus message close to
+    one of its fixture messages would be a memorised answer, not evidence."""
+    corpus = abstain_corpus()
+    similarity = real_encoder.embed(list(corpus)) @ real_encoder.embed([f.message for f in core_fixtures]).T
+    assert len(corpus) >= 150 and float(similarity.max()) < 0.7
 
 
 def test_manifest_carries_fused_gates(model_settings: Settings) -> None:

@@ -148,6 +148,13 @@ def test_tap_gates_file(tmp_path: Path) -> None:
     (tap / "capd.toml").write_text("[gates]\nthreshold = 'high'\n")
     catalog = load_catalog([tap])
     assert any(p.file.endswith("capd.toml") and p.line == 2 for p in catalog.errors)
+    (tap / "capd.toml").write_text("[gates]\nthreshold = 0.5\n[gates.fused]\nabstain_corpus = true\n")
+    config = load_catalog([tap]).tap_configs[tap.absolute()]
+    assert dict(config.gates_for("fused")) == {"abstain_corpus": True} and "abstain_corpus" not in config.gates
+    (tap / "capd.toml").write_text("[gates]\nthreshold = 0.5\nabstain_corpus = 1\n")
+    errors = load_catalog([tap]).errors
+    assert [(p.line, "must be true or false" in p.reason) for p in errors if p.file.endswith("capd.toml")] == [
+        (3, True)]
 
 
 def test_shipped_tap_loads_cleanly() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.quality.run import FEEDBACK_SETS, GOAL, LIMITS, METRICS, RESEARCH, ROOT, RULES, TUNED
+from capd.calibrate import CORPUS_MIN_GAIN
 
 
 def fmt(value: float | None) -> str:
@@ -25,7 +26,8 @@ def meets(name: str, value: float | None) -> bool | None:
 
 def gates_text(gates: dict[str, Any], rule: str) -> str:
     text = f"{gates['threshold']:g} / {gates['margin']:g}"
-    return text if rule.startswith("fused") else f"{text}, k={int(gates['top_k'])}"
+    text = text if rule.startswith("fused") else f"{text}, k={int(gates['top_k'])}"
+    return f"{text} + abstain corpus" if gates.get("abstain_corpus") else text
 
 
 def row(label: str, gates: str, split_label: str, values: dict[str, Any]) -> str:
@@ -77,6 +79,11 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
         if "all_rows" in r:
             lines.append(row(f"{rule}, best within limits on all rows", gates_text(r["all_rows"]["gates"], rule),
                              "all rows (tuned on: ceiling)", r["all_rows"]["all"]))
+    tried = [f"{rule} {fmt(r['abstain_corpus']['without'])} → {fmt(r['abstain_corpus']['with'])}"
+             for rule, r in data["rules"].items() if (r.get("abstain_corpus") or {}).get("with") is not None]
+    if tried:
+        lines += ["", "Abstain corpus, calibration's choice (best fit-part fired_right within the limits without → "
+                  f"with it; kept when it adds {CORPUS_MIN_GAIN} or more): " + "; ".join(tried) + "."]
     return [*lines, ""]
 
 
@@ -216,8 +223,9 @@ def render(result: dict[str, Any], out: Path) -> str:
         "Fit / held-out split: the one `capd calibrate` uses (`int(sha256(message)[:8], 16) % 1000 < 300` is "
         f"held out). Gates are fitted on the fit part with the limits null_fpr ≤ {LIMITS['max_null_fpr']} and "
         f"fired_wrong ≤ {LIMITS['max_wrong']}. **Headline = held-out.** Rows marked *tuned on* are measured on the "
-        "rows the gates were chosen on. The `capd` rule scores exactly like `anchor` (it differs only in "
-        "session semantics), so it is not shown separately.", "",
+        "rows the gates were chosen on. Calibration also decides, per set, whether to veto with the shipped "
+        "abstain corpus (`+ abstain corpus` on the gates). The `capd` rule scores exactly like `anchor` (it "
+        "differs in session semantics, learned corrections and vetoes), so it is not shown separately.", "",
         *(f"- {note}" for note in result["skipped"]), *([""] if result["skipped"] else []),
         "## Summary: before (anchor, calibrated) → after (fused, calibrated), held-out", "",
         f"Goal per set: top1 ≥ {GOAL['top1']}, fired_right ≥ {GOAL['fired_right']} with null_fpr ≤ "

@@ -8,7 +8,7 @@ Per set and rule (``anchor``, ``fused``; ``capd`` scores exactly like ``anchor``
 split ``capd calibrate`` uses (``capd.calibrate.split``: 30% held out by a hash of the message):
 
 - the model manifest's default gates for the rule, on the held-out part;
-- gates calibrated on the fit part (``best_point``, the limits of ``capd calibrate``), on the
+- gates calibrated on the fit part (``fit_gates``: what ``capd calibrate`` does, with its limits), on the
   held-out part (the headline) and on the fit part (tuned on);
 - the best gates within the limits chosen on every row (an optimistic ceiling, tuned on).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -44,12 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from capd.calibrate import Point, best_point, grid_for, split
+from capd.calibrate import Point, fit_gates, grid_for, split
 from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
 from capd.models import manifest_for
-from capd.router import Vetoes
 from capd.service import Service
 from capd.settings import Settings
 from capd.text import clean_message
@@ -127,7 +127,8 @@ class Bench:
         elif sessions and (self.scratch / "shared" / "heads").is_dir():  # fitted heads are keyed by content
             shutil.copytree(self.scratch / "shared" / "heads", data_dir / "heads")
         settings = Settings(taps=(tap,), rule=rule, data_dir=data_dir, threshold=gates.threshold if gates else None,
-                            margin=gates.margin if gates else None, tune=tuned_as is not None)
+                            margin=gates.margin if gates else None,
+                            abstain_corpus=gates.abstain_corpus if gates else None, tune=tuned_as is not None)
         return Service(settings, encoder=self.encoder, sessions=sessions).start()
 
     def vectors(self, service: Service, fixtures: Sequence[Fixture]) -> np.ndarray:
@@ -186,16 +187,17 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
         "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows,
                                                         default["threshold"], default["margin"])},
     }
-    calibrated, _ = best_point({k: t.subset(fit_rows) for k, t in tables.items()}, grid=grid, **LIMITS)
-    if calibrated is not None:
-        table = tables[calibrated.top_k]
+    fitted = fit_gates(router, fixtures, vectors, tokens, grid=grid, **LIMITS)  # what `capd calibrate` does
+    out["abstain_corpus"] = fitted.corpus
+    if (calibrated := fitted.point) is not None:
+        table = fitted.tables[calibrated.top_k]
         out["calibrated"] = {"gates": calibrated.as_dict(),
                              "held_out": gated(table, held_rows, calibrated.threshold, calibrated.margin),
                              "fit": gated(table, fit_rows, calibrated.threshold, calibrated.margin)}
-    ceiling, _ = best_point(tables, grid=grid, **LIMITS)
-    if ceiling is not None:
+    everything = fit_gates(router, fixtures, vectors, tokens, grid=grid, rows=np.arange(len(fixtures)), **LIMITS)
+    if (ceiling := everything.point) is not None:
         out["all_rows"] = {"gates": ceiling.as_dict(),
-                           "all": gated(tables[ceiling.top_k], None, ceiling.threshold, ceiling.margin)}
+                           "all": gated(everything.tables[ceiling.top_k], None, ceiling.threshold, ceiling.margin)}
     return out
 
 
@@ -271,17 +273,17 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
                               held_rows, gates.threshold, gates.margin)
         out.update(correct(service, fixtures, fit_rows))
         triggers_only = copy.copy(service.router)
-        triggers_only.vetoes = Vetoes()
+        triggers_only.vetoes = dataclasses.replace(service.router.vetoes, texts={}, vectors={})  # corpus kept
         for key, router in (("after_triggers_only", triggers_only), ("after_same_gates", service.router)):
             table = score_table(router, fixtures, vectors=vectors, tokens=tokens)
             out[key] = gated(table, held_rows, gates.threshold, gates.margin)
     with loop_service(bench, evalset, gates, tuned) as service:
         out["refit_traffic"] = correct(service, fixtures, fit_rows[0::2])
-        after = score_table(service.router, fixtures, vectors=vectors, tokens=bench.tokens(service, fixtures))
-        refit, _ = best_point({grid.top_ks[0]: after.subset(fit_rows[1::2])}, grid=grid, **LIMITS)
-        if refit is not None:
-            out["refit_gates"] = refit.as_dict()
-            out["after_refit"] = gated(after, held_rows, refit.threshold, refit.margin)
+        refit = fit_gates(service.router, fixtures, vectors, bench.tokens(service, fixtures), grid=grid,
+                          rows=fit_rows[1::2], **LIMITS)
+        if (point := refit.point) is not None:
+            out["refit_gates"] = point.as_dict()
+            out["after_refit"] = gated(refit.tables[point.top_k], held_rows, point.threshold, point.margin)
     return out
 
 

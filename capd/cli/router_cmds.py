@@ -219,8 +219,8 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
 
     Example: capd calibrate --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --write
     """
+    from capd.calibrate import CORPUS_MIN_GAIN, write_gates
     from capd.calibrate import calibrate as run_calibration
-    from capd.calibrate import write_gates
     from capd.fixtures import check_names, load_fixtures
 
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
@@ -245,7 +245,11 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
             click.echo("no gate setting meets the limits")
         else:
             click.echo(f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, "
-                       f"margin {point['margin']:.3f}")
+                       f"margin {point['margin']:.3f}, abstain corpus {'on' if point['abstain_corpus'] else 'off'}")
+            tried = report["abstain_corpus"]
+            if report["rule"] != "anchor":  # the anchor's rule has no vetoes
+                click.echo(f"  fit fired_right without the abstain corpus {_fmt(tried['without'])}, "
+                           f"with it {_fmt(tried['with'])} (kept when it adds {CORPUS_MIN_GAIN} or more)")
             for label in ("fit", "held_out"):
                 m = report[label]
                 click.echo(f"  {label:<9} fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}"
