@@ -12,10 +12,9 @@ corpus (:func:`capd.router.abstain_corpus`: a winner is vetoed when the message 
 of those generic messages than to the winner's nearest example). The corpus is kept only when
 it adds at least ``CORPUS_MIN_GAIN`` to ``fired_right`` on the fitting part within the limits
 (on taps/core's ``capd`` rule it added one fit row of 157, 0.007, and cost 0.015 held out; a gain
-that small is noise). It pays on taps
-whose traffic holds chitchat, feedback and pasted logs (an agent's tools), and costs taps whose
-capabilities are themselves everyday requests (weather, music), so it is the tap's fixtures
-that decide.
+that small is noise). It pays on taps whose traffic holds chitchat, feedback and pasted logs (an
+agent's tools), and costs taps whose capabilities are themselves everyday requests (weather,
+music), so it is the tap's fixtures that decide.
 
 ``--write`` stores the point in ``<tap>/capd.toml`` (``[gates]`` plus the model it was fitted
 for); capability files are never touched.
@@ -148,33 +147,41 @@ class Fitted:
     corpus: dict[str, float | None]
 
 
-def fit_gates(router: Router, fixtures: Sequence[Fixture], vectors: np.ndarray, tokens: TokenVectors | None,
-              max_null_fpr: float = 0.05, max_wrong: float = 0.03, grid: Grid | None = None,
-              rows: np.ndarray | None = None) -> Fitted:
-    """Sweep the gates on the fit part of ``fixtures`` (embedded as ``vectors``/``tokens`` by
-    :func:`embed_fixtures`), or on ``rows``, without and (``capd``, ``fused``) with the abstain corpus."""
-    fit_rows = split(fixtures)[0] if rows is None else rows
+Variants = dict[bool, dict[int, ScoreTable]]  # abstain corpus off/on -> top_k -> every fixture scored
+
+
+def score_variants(router: Router, fixtures: Sequence[Fixture], vectors: np.ndarray, tokens: TokenVectors | None,
+                   grid: Grid | None = None) -> Variants:
+    """Every fixture (embedded as ``vectors``/``tokens`` by :func:`embed_fixtures`) scored for
+    every top_k of the grid, without and (``capd``, ``fused``) with the abstain corpus."""
     grid = grid or grid_for(router.rule)
-    chosen: Fitted | None = None
-    corpus: dict[str, float | None] = {"without": None, "with": None}
+    out: Variants = {}
     for on in (False, True) if router.rule != "anchor" else (False,):
         variant = router.with_abstain_corpus(on)
-        full = {k: score_table(variant, fixtures, top_k=k, vectors=vectors, tokens=tokens) for k in grid.top_ks}
-        point, curve = best_point({k: t.subset(fit_rows) for k, t in full.items()}, max_null_fpr, max_wrong, grid)
-        point = replace(point, abstain_corpus=on) if point is not None else None
-        corpus["with" if on else "without"] = point.fired_right if point is not None else None
-        if chosen is None or (point is not None and (chosen.point is None or point.fired_right
-                                                     >= chosen.point.fired_right + CORPUS_MIN_GAIN - 1e-9)):
-            chosen = Fitted(point, curve, full, corpus)
-    assert chosen is not None
-    return chosen
+        out[on] = {k: score_table(variant, fixtures, top_k=k, vectors=vectors, tokens=tokens) for k in grid.top_ks}
+    return out
+
+
+def fit_gates(variants: Variants, rows: np.ndarray, grid: Grid, max_null_fpr: float = 0.05,
+              max_wrong: float = 0.03) -> Fitted:
+    """Sweep ``grid`` on ``rows`` of each variant; the corpus variant wins only by ``CORPUS_MIN_GAIN``."""
+    fitted = {}
+    for on, full in variants.items():
+        point, curve = best_point({k: t.subset(rows) for k, t in full.items()}, max_null_fpr, max_wrong, grid)
+        fitted[on] = (replace(point, abstain_corpus=on) if point is not None else None, curve, full)
+    right = {on: p.fired_right if p is not None else None for on, (p, _, _) in fitted.items()}
+    corpus = {"without": right[False], "with": right.get(True)}
+    with_corpus = corpus["with"] is not None and (corpus["without"] is None
+                                                   or corpus["with"] >= corpus["without"] + CORPUS_MIN_GAIN - 1e-9)
+    return Fitted(*fitted[with_corpus], corpus)
 
 
 def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float = 0.05,
               max_wrong: float = 0.03) -> dict[str, Any]:
     fit_rows, held_rows = split(fixtures)
     vectors, tokens = embed_fixtures(router, fixtures)
-    fitted = fit_gates(router, fixtures, vectors, tokens, max_null_fpr, max_wrong)
+    grid = grid_for(router.rule)
+    fitted = fit_gates(score_variants(router, fixtures, vectors, tokens, grid), fit_rows, grid, max_null_fpr, max_wrong)
     point = fitted.point
     report: dict[str, Any] = {
         "rule": router.rule,

@@ -274,10 +274,14 @@ class Service:
         head = self._fused_head() if rule == "fused" else None
         refused = self._learned_examples(catalog, "abstain") if rule != "anchor" else {}
         embedder = self.embedder
-        vetoes = Vetoes.build(refused, lambda texts: embedder.embed(texts)[0])
+
+        def vectors_of(texts: list[str]) -> Vectors:  # through the vector cache
+            return embedder.embed(texts)[0]
+
+        vetoes = Vetoes.build(refused, vectors_of)
         gates = self._gatebook(catalog)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
-            vetoes = vetoes.with_corpus(lambda texts: embedder.embed(texts)[0])
+            vetoes = vetoes.with_corpus(vectors_of)
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
                         min_chars=self.settings.min_chars, head=head, vetoes=vetoes)
         self._snapshot = Snapshot(catalog, router)

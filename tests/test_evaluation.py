@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import COSINE_GRID, best_point, fit_gates, split, sweep
+from capd.calibrate import COSINE_GRID, best_point, fit_gates, score_variants, split, sweep
 from capd.cli import main
 from capd.errors import FixtureError
 from capd.evaluation import ScoreTable, apply_gates, breakdown, embed_fixtures, metrics
@@ -216,7 +216,8 @@ def test_calibration_keeps_the_abstain_corpus_only_when_it_fires_right_more_ofte
         chosen = {}
         for label, fixtures in cases.items():
             vectors, tokens = embed_fixtures(router, fixtures)
-            fitted = fit_gates(router, fixtures, vectors, tokens, rows=np.arange(len(fixtures)))
+            variants = score_variants(router, fixtures, vectors, tokens)
+            fitted = fit_gates(variants, np.arange(len(fixtures)), COSINE_GRID)
             assert fitted.point is not None and fitted.corpus["without"] is not None
             chosen[label] = (fitted.point.abstain_corpus, fitted.corpus)
     on, tried = chosen["a null outscoring a positive"]

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from capd.calibrate import Point, fit_gates, grid_for, split
+from capd.calibrate import Point, fit_gates, grid_for, score_variants, split
 from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
@@ -180,21 +180,22 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
     """Default, calibrated (fit → held-out) and all-rows gates for the service's rule."""
     router = service.router
     grid = grid_for(router.rule)
-    tables = {k: score_table(router, fixtures, top_k=k, vectors=vectors, tokens=tokens) for k in grid.top_ks}
+    variants = score_variants(router, fixtures, vectors, tokens, grid)
+    tables = variants[False]  # the service's own scoring: no bench service turns the corpus on
     fit_rows, held_rows = split(fixtures)
     out: dict[str, Any] = {
         "capabilities": len(router.catalog), "examples": router.index.trigger_count,
         "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows,
                                                         default["threshold"], default["margin"])},
     }
-    fitted = fit_gates(router, fixtures, vectors, tokens, grid=grid, **LIMITS)  # what `capd calibrate` does
+    fitted = fit_gates(variants, fit_rows, grid=grid, **LIMITS)  # what `capd calibrate` does
     out["abstain_corpus"] = fitted.corpus
     if (calibrated := fitted.point) is not None:
         table = fitted.tables[calibrated.top_k]
         out["calibrated"] = {"gates": calibrated.as_dict(),
                              "held_out": gated(table, held_rows, calibrated.threshold, calibrated.margin),
                              "fit": gated(table, fit_rows, calibrated.threshold, calibrated.margin)}
-    everything = fit_gates(router, fixtures, vectors, tokens, grid=grid, rows=np.arange(len(fixtures)), **LIMITS)
+    everything = fit_gates(variants, np.arange(len(fixtures)), grid=grid, **LIMITS)
     if (ceiling := everything.point) is not None:
         out["all_rows"] = {"gates": ceiling.as_dict(),
                            "all": gated(everything.tables[ceiling.top_k], None, ceiling.threshold, ceiling.margin)}
@@ -279,8 +280,8 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
             out[key] = gated(table, held_rows, gates.threshold, gates.margin)
     with loop_service(bench, evalset, gates, tuned) as service:
         out["refit_traffic"] = correct(service, fixtures, fit_rows[0::2])
-        refit = fit_gates(service.router, fixtures, vectors, bench.tokens(service, fixtures), grid=grid,
-                          rows=fit_rows[1::2], **LIMITS)
+        refit = fit_gates(score_variants(service.router, fixtures, vectors, bench.tokens(service, fixtures), grid),
+                          fit_rows[1::2], grid=grid, **LIMITS)
         if (point := refit.point) is not None:
             out["refit_gates"] = point.as_dict()
             out["after_refit"] = gated(refit.tables[point.top_k], held_rows, point.threshold, point.margin)
