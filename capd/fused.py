@@ -207,6 +207,7 @@ class FusedHead:
     mix: float = MIX
     lexical_weight: float = LEXICAL_WEIGHT
     rescore_weight: float = RESCORE_WEIGHT
+    key: str = ""  # the content hash it was fitted for (:func:`head_key`)
 
     def score(self, knn: Floats, vectors: Floats, texts: Sequence[str], tokens: TokenVectors | None = None) -> Scores:
         """``knn``: mean-of-top-k example cosines ``[n, C]``; ``vectors``: the messages' unit vectors;
@@ -340,7 +341,7 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
     assert in_class is not None
     if path is not None and (stale or fresh_tokens):
         _store(path, in_class, weight, bias, tokens, over_budget)
-    return FusedHead(tuple(names), in_class, weight, bias, Lexicon(documents), tokens)
+    return FusedHead(tuple(names), in_class, weight, bias, Lexicon(documents), tokens, key=key)
 
 
 def _example_tokens(texts: Sequence[str], labels: Ints, columns: int, embed_tokens: EmbedTokens,

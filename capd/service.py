@@ -15,21 +15,23 @@ import logging
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capd.autogates import auto_gates, examples_of
 from capd.batching import MicroBatcher
+from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
-from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
+from capd.encoder import Embedded, Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import StateError, UnknownCapability
-from capd.fused import FusedHead, build_head, head_key
+from capd.fused import TOP_K, FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import KINDS, Corrections, LearnedStore
 from capd.metrics import Metrics
 from capd.models import HASH_MODEL, manifest_for, resolve
-from capd.router import Decision, GateBook, Gates, Router, Vetoes, build_gatebook, example_catalog
+from capd.router import Decision, GateBook, Gates, Router, Vetoes, abstain_corpus, build_gatebook, example_catalog
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
@@ -110,6 +112,8 @@ class Service:
         self._clock = clock
         self._lock = threading.RLock()  # serialises reloads
         self._snapshot: Snapshot | None = None
+        self.auto_gates: Point | None = None  # the fused rule's gates fitted on the examples (capd/autogates.py)
+        self._corpus_embedded: tuple[str, Embedded] | None = None  # (model id, the abstain corpus embedded)
         self._taps: dict[Path, _TapState] = {}
         self._tap_errors: list[Problem] = []
         self.encoder: Encoder | None = None
@@ -279,7 +283,7 @@ class Service:
             return embedder.embed(texts)[0]
 
         vetoes = Vetoes.build(refused, vectors_of)
-        gates = self._gatebook(catalog)
+        gates = self._gatebook(catalog, head)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
@@ -436,6 +440,26 @@ class Service:
         return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
                           self.encoder.embed_tokens, previous)
 
+    def _auto_gates(self, head: FusedHead) -> Point | None:
+        """The fused gates fitted on the examples (cached by the head's key), logged when fitted."""
+        assert self.index is not None and self.encoder is not None
+        examples = examples_of(self.index, head)
+        if examples is None:
+            return None
+        encoder = self.encoder
+
+        def embed_corpus(corpus: Sequence[str]) -> Embedded:  # once per model, not per reload
+            if self._corpus_embedded is None or self._corpus_embedded[0] != encoder.model_id:
+                self._corpus_embedded = encoder.model_id, encoder.embed_tokens(corpus)
+            return self._corpus_embedded[1]
+
+        point = auto_gates(examples, abstain_corpus(), embed_corpus, head.key, self.settings.data_dir / "heads")
+        if point is not None and point != self.auto_gates:
+            log.info("fused auto gates: threshold %.2f, margin %.2f (examples out of fold: fired_right %.2f, "
+                     "fired_wrong %.2f; abstain corpus fired %.2f)", point.threshold, point.margin,
+                     point.fired_right, point.fired_wrong, point.null_fpr)
+        return point
+
     def _learned_examples(self, catalog: Catalog, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
         """Learned corrections of ``kind`` of this catalog's capabilities (those recorded for their tap)."""
         if self.learned is None:
@@ -448,13 +472,18 @@ class Service:
                     out[name] = messages
         return out
 
-    def _gatebook(self, catalog: Catalog) -> GateBook:
+    def _gatebook(self, catalog: Catalog, head: FusedHead | None = None) -> GateBook:
+        """The gates in force: manifest < auto gates (``fused``, :mod:`capd.autogates`) < a tap's
+        ``capd.toml`` < settings."""
         manifest = manifest_for(self.settings)
         rule = self.settings.rule
         overrides = {"threshold": self.settings.threshold, "margin": self.settings.margin,
                      "top_k": self.settings.top_k, "abstain_corpus": self.settings.abstain_corpus}
         gates = manifest.gates_for(rule)
         model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]))
+        self.auto_gates = self._auto_gates(head) if head is not None and self.settings.auto_gates else None
+        if self.auto_gates is not None:
+            model_gates = Gates(self.auto_gates.threshold, self.auto_gates.margin, TOP_K)
         return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule)
 
     def _gate_model(self, manifest_name: str) -> str:

@@ -75,6 +75,7 @@ class Settings:
     margin: float | None = None
     top_k: int | None = None
     abstain_corpus: bool | None = None  # veto with the shipped abstain corpus (None: each tap's capd.toml says)
+    auto_gates: bool = True  # fused: gates fitted on the examples where no tap sets them (capd/autogates.py)
     max_active: int = 4
     min_chars: int = 8
     pinned: tuple[str, ...] = ()
@@ -209,6 +210,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "margin": _margin,
     "top_k": _positive_int,
     "abstain_corpus": _as_bool,
+    "auto_gates": _as_bool,
     "max_active": _positive_int,
     "min_chars": _as_int,
     "pinned": _as_names,

@@ -70,6 +70,10 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
         label = "production" if rule.startswith("anchor") else "manifest default"
         lines.append(row(f"{rule}, {label} gates", gates_text(r["default"]["gates"], rule), "held-out",
                          r["default"]["held_out"]))
+        if "auto" in r:
+            g = gates_text(r["auto"]["gates"], rule)
+            lines.append(row(f"{rule}, auto gates (no fixtures)", g, "held-out", r["auto"]["held_out"]))
+            lines.append(row(f"{rule}, auto gates (no fixtures)", g, "fit", r["auto"]["fit"]))
         if "calibrated" in r:
             g = gates_text(r["calibrated"]["gates"], rule)
             lines.append(row(f"**{rule}, calibrated on fit part**", g, "**held-out**", r["calibrated"]["held_out"]))
@@ -89,9 +93,10 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
 
 def manifest_lines(manifest: dict[str, Any]) -> list[str]:
     gates = manifest["gates"]
-    lines = [f"Default gates from the model manifest `{os.path.relpath(manifest['path'], ROOT)}` (what a tap without "
-             f"`capd.toml` gets): anchor {gates_text(gates['anchor'], 'anchor')} (the anchor's production gates), "
-             f"fused {gates_text(gates['fused'], 'fused')}."]
+    lines = [f"Default gates from the model manifest `{os.path.relpath(manifest['path'], ROOT)}`: anchor "
+             f"{gates_text(gates['anchor'], 'anchor')} (the anchor's production gates; what a tap without "
+             f"`capd.toml` gets under `capd` and `anchor`), fused {gates_text(gates['fused'], 'fused')} (what it "
+             "gets under `fused` with `auto_gates = false`, or when no auto-gate point is feasible)."]
     if manifest["fused_note"]:
         lines.append(f"The manifest says of the fused defaults: *{manifest['fused_note']}*")
     return [*lines, ""]
@@ -213,6 +218,32 @@ def tuned_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def no_fixture_lines(result: dict[str, Any]) -> list[str]:
+    """What a tap gets before anyone calibrates it: the anchor's production gates, the fused
+    rule's manifest default and its auto gates (``capd/autogates.py``), held out."""
+    lines = ["What a tap without `capd.toml` gets, held-out fired_right / fired_wrong / null_fpr. Auto gates are "
+             "fitted on the tap's own examples (out of fold) and the shipped abstain corpus; no fixture row is "
+             "seen, so the fit part is not tuned on either (its figures are in *Per set*).", "",
+             "| set | anchor, production gates | fused, manifest default gates | **fused, auto gates** | "
+             "fused+tuned, manifest default gates | fused+tuned, auto gates |", "|---|---|---|---|---|---|"]
+
+    def cell(values: dict[str, Any] | None) -> str:
+        if values is None:
+            return "—"
+        return " / ".join(fmt(values[m]) for m in ("fired_right", "fired_wrong", "null_fpr"))
+
+    for name, data in result["sets"].items():
+        rules = data["rules"]
+        anchor, fused_rule = rules.get("anchor", {}), rules.get("fused", {})
+        tuned = rules.get("fused+tuned", {})
+        lines.append(f"| {name} | {cell(anchor.get('default', {}).get('held_out'))} | "
+                     f"{cell(fused_rule.get('default', {}).get('held_out'))} | "
+                     f"**{cell(fused_rule.get('auto', {}).get('held_out'))}** | "
+                     f"{cell(tuned.get('default', {}).get('held_out'))} | "
+                     f"{cell(tuned.get('auto', {}).get('held_out'))} |")
+    return [*lines, ""]
+
+
 def render(result: dict[str, Any], out: Path) -> str:
     lines = [
         "# Routing quality", "",
@@ -234,6 +265,7 @@ def render(result: dict[str, Any], out: Path) -> str:
         *summary_lines(result), "",
         "## Tuned model: before (anchor, calibrated) → after (fused + tuned, calibrated), held-out", "",
         *tuned_lines(result),
+        "## Without fixtures: default gates and auto gates, held-out", "", *no_fixture_lines(result),
         "## Per set", "", *manifest_lines(result["manifest"]),
         *(line for name, data in result["sets"].items() for line in set_lines(name, data)),
         "## Learning from corrections (simulated feedback loop)", "", *feedback_lines(result),

@@ -8,6 +8,8 @@ Per set and rule (``anchor``, ``fused``; ``capd`` scores exactly like ``anchor``
 split ``capd calibrate`` uses (``capd.calibrate.split``: 30% held out by a hash of the message):
 
 - the model manifest's default gates for the rule, on the held-out part;
+- for ``fused``, the auto gates (``capd/autogates.py``: fitted on the tap's own examples and the
+  abstain corpus, no fixture seen), on the held-out and fit parts;
 - gates calibrated on the fit part (``fit_gates``: what ``capd calibrate`` does, with its limits), on the
   held-out part (the headline) and on the fit part (tuned on);
 - the best gates within the limits chosen on every row (an optimistic ceiling, tuned on).
@@ -188,6 +190,10 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
         "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows,
                                                         default["threshold"], default["margin"])},
     }
+    if (auto := service.auto_gates) is not None:  # fused: fitted on the tap's examples, no fixture seen
+        table = tables[auto.top_k]
+        out["auto"] = {"gates": auto.as_dict(), "held_out": gated(table, held_rows, auto.threshold, auto.margin),
+                       "fit": gated(table, fit_rows, auto.threshold, auto.margin)}
     fitted = fit_gates(variants, fit_rows, grid=grid, **LIMITS)  # what `capd calibrate` does
     out["abstain_corpus"] = fitted.corpus
     if (calibrated := fitted.point) is not None:

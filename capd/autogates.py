@@ -1,0 +1,187 @@
+"""Auto gates: fixture-free gates for the ``fused`` rule, fitted on the taps' own examples.
+
+Without ``capd calibrate``, a tap used to get the model manifest's fused gates: one point for
+every tap. The fused statistics' scale moves with the taps (how many capabilities, how alike
+their examples are) and with the model (a tuned model's levels run lower), so one point
+transfers badly. Auto gates calibrate on what every tap already has:
+
+- **positives**: every example (trigger, description, name), scored *out of fold*. The j-th
+  example of each capability goes to fold ``j mod AUTO_FOLDS``; the head, ``μ_in``, BM25 and
+  the token table fitted on the other folds score the held fold, so an example never meets
+  itself. A capability's only example stays in (there is nothing to score it against).
+- **nulls**: the shipped abstain corpus (:func:`capd.router.abstain_corpus`), scored with
+  everything, minus the messages whose level at their winner reaches ``CORPUS_LEVEL_CUT``: they
+  are as close to a capability as its own examples are to each other ("see you tomorrow" for a
+  tap with a goodbye capability is no null there).
+
+The chosen point is :func:`capd.calibrate.best_point` over those rows with the corpus null rate
+at most ``AUTO_NULL_RATE`` and the wrong rate at most ``AUTO_MAX_WRONG``. The constants were
+chosen on the fit parts of the shared eval sets and taps/core (``benchmarks/quality/README.md``,
+"Auto gates"); the held-out parts were not used. Precedence: manifest < auto gates < a tap's
+``capd.toml`` < settings. The result is cached in the data directory by the content hash of
+the examples, the corpus and these constants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from capd import fused
+from capd.calibrate import FUSED_GRID, Point, best_point
+from capd.encoder import Embedded, TokenVectors
+from capd.evaluation import ScoreTable
+from capd.fixtures import Fixture
+from capd.index import Ints, TriggerIndex
+
+log = logging.getLogger(__name__)
+
+AUTO_FOLDS = 5
+AUTO_NULL_RATE = 0.02  # of the corpus messages kept as nulls
+AUTO_MAX_WRONG = 0.03
+CORPUS_LEVEL_CUT = 0.0
+VERSION = "auto-1"  # bump when anything above changes the chosen gates
+
+
+@dataclass(frozen=True)
+class Examples:
+    """The fused rule's examples, as :meth:`capd.index.TriggerIndex.examples` gives them."""
+
+    names: tuple[str, ...]
+    texts: tuple[str, ...]  # per vector row
+    vectors: fused.Floats  # unit rows, grouped by capability
+    labels: Ints  # each row's position in names
+    tokens: dict[str, fused.Floats] | None  # text -> token vectors (None: no second stage)
+
+
+def examples_of(index: TriggerIndex, head: fused.FusedHead) -> Examples | None:
+    """The examples ``head`` was fitted on, from the index (None if the index has moved on)."""
+    names, vectors, labels = index.examples()
+    if names != head.names:
+        return None
+    texts = tuple(t for name in names for t in index.triggers(name))
+    return Examples(names, texts, vectors, labels, head.tokens.matrices() if head.tokens is not None else None)
+
+
+def nearest_mean(vectors: fused.Floats, examples: fused.Floats, labels: Ints, columns: int,
+                 k: int = fused.TOP_K) -> fused.Floats:
+    """``K`` ``[n, C]``: per capability, the mean of the top-min(k, n_c) example cosines (-1 without
+    examples); ``labels`` are grouped by capability, as the index keeps them."""
+    sims = vectors @ examples.T
+    out = np.full((len(vectors), columns), -1.0, dtype=np.float32)
+    bounds = np.searchsorted(labels, np.arange(columns + 1))
+    for column in range(columns):
+        block = sims[:, bounds[column]:bounds[column + 1]]
+        if block.shape[1]:
+            kk = min(k, block.shape[1])
+            out[:, column] = -np.partition(-block, kk - 1, axis=1)[:, :kk].mean(axis=1)
+    return out
+
+
+def _head(examples: Examples, rows: np.ndarray) -> fused.FusedHead:
+    """A fused head fitted on ``rows`` of the examples only."""
+    columns = len(examples.names)
+    texts = [examples.texts[i] for i in rows]
+    labels = examples.labels[rows]
+    vectors = examples.vectors[rows]
+    weight, bias = fused.fit_head(vectors, labels, columns)
+    documents = [[t for t, label in zip(texts, labels, strict=True) if label == c] for c in range(columns)]
+    tokens = (None if examples.tokens is None else
+              fused.ExampleTokens.build(texts, labels, [examples.tokens[t] for t in texts], columns))
+    return fused.FusedHead(examples.names, fused.in_class_similarity(vectors, labels, columns), weight, bias,
+                           fused.Lexicon(documents), tokens)
+
+
+def _score(head: fused.FusedHead, examples: Examples, rows: np.ndarray, vectors: fused.Floats,
+           texts: Sequence[str], tokens: TokenVectors | None) -> fused.Scores:
+    knn = nearest_mean(vectors, examples.vectors[rows], examples.labels[rows], len(examples.names))
+    return head.score(knn, vectors, texts, tokens)
+
+
+def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Floats]:
+    """(rows scored, their fused scores ``[n, C]``, their levels ``[n, C]``), each example
+    scored by a head that never saw it."""
+    labels = examples.labels
+    position = np.zeros(len(labels), dtype=np.int64)
+    for column in np.unique(labels):
+        members = np.flatnonzero(labels == column)
+        position[members] = np.arange(len(members))
+    held_rows, fused_rows, level_rows = [], [], []
+    for fold in range(AUTO_FOLDS):
+        held = position % AUTO_FOLDS == fold
+        kept = np.bincount(labels[~held], minlength=len(examples.names))
+        held &= kept[labels] > 0  # a capability keeps at least one example
+        if not held.any():
+            continue
+        train, rows = np.flatnonzero(~held), np.flatnonzero(held)
+        texts = [examples.texts[i] for i in rows]
+        tokens = None if examples.tokens is None else [examples.tokens[t] for t in texts]
+        scores = _score(_head(examples, train), examples, train, examples.vectors[rows], texts, tokens)
+        held_rows.append(rows)
+        fused_rows.append(scores.fused)
+        level_rows.append(scores.level)
+    if not held_rows:
+        dim = len(examples.names)
+        return np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros((0, dim), np.float32)
+    return np.concatenate(held_rows), np.concatenate(fused_rows), np.concatenate(level_rows)
+
+
+def choose(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded) -> Point | None:
+    """The auto gates for these examples (None when no point is feasible, nothing can be held out,
+    or the examples are over the head's budget: the fused rule then has no head to refit)."""
+    if len(examples.labels) * len(examples.names) > fused.HEAD_BUDGET:
+        return None
+    rows, fused_rows, level_rows = out_of_fold(examples)
+    if not len(rows):
+        return None
+    everything = np.arange(len(examples.labels))
+    corpus_vectors, corpus_tokens = corpus_embedded
+    null_scores = _score(_head(examples, everything), examples, everything, np.asarray(corpus_vectors, np.float32),
+                         corpus, corpus_tokens if examples.tokens is not None else None)
+    nulls = null_scores.winner_level < CORPUS_LEVEL_CUT
+    names = examples.names
+    fixtures = ([Fixture(examples.texts[i], (names[examples.labels[i]],), "positive", "example")
+                 for i in rows]
+                + [Fixture(m, (), "null", "abstain corpus") for m, keep in zip(corpus, nulls, strict=True) if keep])
+    expected = np.zeros((len(fixtures), len(names)), dtype=bool)
+    expected[np.arange(len(rows)), examples.labels[rows]] = True
+    table = ScoreTable(tuple(fixtures), names, np.vstack([fused_rows, null_scores.fused[nulls]]),
+                       np.ones(len(fixtures), dtype=bool), expected, np.vstack([level_rows, null_scores.level[nulls]]))
+    point, _ = best_point({fused.TOP_K: table}, max_null_fpr=AUTO_NULL_RATE, max_wrong=AUTO_MAX_WRONG,
+                          grid=FUSED_GRID)
+    return point
+
+
+def auto_gates(examples: Examples, corpus: Sequence[str], embed_corpus: Callable[[Sequence[str]], Embedded],
+               head_key: str, cache_dir: Path | None) -> Point | None:
+    """:func:`choose`, cached in ``cache_dir`` by the head's key, the corpus and :data:`VERSION`."""
+    digest = hashlib.sha256(f"{VERSION}\n{head_key}\n{AUTO_FOLDS} {AUTO_NULL_RATE} {AUTO_MAX_WRONG} "
+                            f"{CORPUS_LEVEL_CUT}\n".encode())
+    for message in corpus:
+        digest.update(message.encode() + b"\n")
+    path = cache_dir / f"{digest.hexdigest()}.auto.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+            return None if stored is None else Point(**stored)
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("ignoring unreadable auto gates %s: %s", path, exc)
+    point = choose(examples, corpus, embed_corpus(corpus))
+    if point is None:
+        log.warning("auto gates: none (no feasible point on the examples, or over the head budget); "
+                    "using the model manifest's fused gates")
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(None if point is None else point.as_dict()), encoding="utf-8")
+            tmp.replace(path)
+        except OSError as exc:  # a read-only data directory only costs a refit next start
+            log.warning("cannot cache the auto gates in %s: %s", path.parent, exc)
+    return point

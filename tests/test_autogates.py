@@ -1,0 +1,119 @@
+"""Auto gates (capd/autogates.py) with the deterministic encoder: out-of-fold scoring, caching,
+precedence. Their effect with the real model is in tests/test_fused.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from capd import autogates
+from capd.encoder import Embedded, HashEncoder
+from capd.service import Service
+from capd.settings import load_settings
+from tests.conftest import SettingsFactory
+from tests.taputil import write_capability
+
+TRIGGERS = {
+    "docker": ["list running containers", "restart the web container", "build a docker image",
+               "show container logs", "remove stopped containers", "pull the latest image"],
+    "postgres": ["run a sql query", "show database tables", "describe the users table",
+                 "count rows in orders", "vacuum the database", "list postgres schemas"],
+    "github": ["open a pull request", "list open issues", "review the latest pull request",
+               "merge the branch", "create a github issue", "show failing checks"],
+    "weather": ["what is the weather today", "will it rain tomorrow", "forecast for the weekend",
+                "how hot is it outside", "is it windy now", "weather in paris"],
+}
+
+
+def _tap(root: Path) -> Path:
+    for name, triggers in TRIGGERS.items():
+        write_capability(root, name, triggers)
+    write_capability(root, "lonely", ["lonely"])  # its name is its trigger: one example
+    return root
+
+
+def _examples(service: Service) -> autogates.Examples:
+    assert service.index is not None and service.router.head is not None and service.router.head.tokens is not None
+    examples = autogates.examples_of(service.index, service.router.head)
+    assert examples is not None and examples.tokens is not None
+    return examples
+
+
+def test_every_example_is_scored_by_a_head_that_never_saw_it(settings_factory: SettingsFactory, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[set[str], list[str]]] = []
+    score = autogates._score
+
+    def recording(head: Any, examples: autogates.Examples, rows: np.ndarray, vectors: Any,
+                  texts: Sequence[str], tokens: Any) -> Any:
+        seen.append(({examples.texts[i] for i in rows}, list(texts)))
+        return score(head, examples, rows, vectors, texts, tokens)
+
+    with closing(Service(settings_factory(taps=(_tap(tmp_path / "tap"),), rule="fused")).start()) as service:
+        examples = _examples(service)
+        monkeypatch.setattr(autogates, "_score", recording)
+        rows, fused_rows, levels = autogates.out_of_fold(examples)
+    lonely = examples.names.index("lonely")
+    assert sorted(rows.tolist()) == np.flatnonzero(examples.labels != lonely).tolist()  # its only example stays in
+    assert fused_rows.shape == levels.shape == (len(rows), len(examples.names))
+    assert len(seen) == autogates.AUTO_FOLDS
+    for trained_on, scored in seen:
+        assert scored and not trained_on & set(scored)
+
+
+def test_auto_gates_are_cached_by_the_examples(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    calls: list[int] = []
+    encoder = HashEncoder()
+
+    def embed_corpus(corpus: Sequence[str]) -> Embedded:
+        calls.append(len(corpus))
+        return encoder.embed_tokens(corpus)
+
+    corpus = ["thanks, that was great", "hello there", "the build log says error 137", "who won the match"]
+    with closing(Service(settings_factory(taps=(_tap(tmp_path / "tap"),), rule="fused")).start()) as service:
+        examples = _examples(service)
+    cache = tmp_path / "cache"
+    first = autogates.auto_gates(examples, corpus, embed_corpus, "key-1", cache)
+    assert first is not None and calls == [len(corpus)] and len(list(cache.glob("*.auto.json"))) == 1
+    assert autogates.auto_gates(examples, corpus, embed_corpus, "key-1", cache) == first
+    assert calls == [len(corpus)]  # read back, not refitted
+    autogates.auto_gates(examples, corpus, embed_corpus, "key-2", cache)
+    assert len(calls) == 2  # other examples: fitted again
+
+
+def test_a_taps_gates_and_the_settings_override_the_auto_gates(settings_factory: SettingsFactory,
+                                                               tmp_path: Path) -> None:
+    tap = _tap(tmp_path / "tap")
+    settings = settings_factory(taps=(tap,), rule="fused")
+    with closing(Service(settings).start()) as service:
+        auto = service.auto_gates
+        assert auto is not None
+        assert service.router.gates.default.threshold == auto.threshold
+        assert service.router.gates.default.margin == auto.margin
+    (tap / "capd.toml").write_text("model = \"hash\"\n[gates.fused]\nthreshold = 0.25\nmargin = 0.5\n")
+    with closing(Service(dataclasses.replace(settings, data_dir=tmp_path / "d2")).start()) as service:
+        assert service.router.gates.for_tap(tap.absolute()).threshold == 0.25
+    with closing(Service(dataclasses.replace(settings, data_dir=tmp_path / "d3", threshold=0.5)).start()) as service:
+        assert service.router.gates.for_tap(tap.absolute()).threshold == 0.5
+
+
+def test_auto_gates_can_be_turned_off(tmp_path: Path) -> None:
+    settings = load_settings(env={"CAPD_AUTO_GATES": "false", "HOME": str(tmp_path)})
+    assert settings.auto_gates is False
+    assert load_settings(env={"HOME": str(tmp_path)}).auto_gates is True
+
+
+def test_no_auto_gates_over_the_head_budget(settings_factory: SettingsFactory, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a head (a huge catalog) there is nothing to refit per fold: the manifest's point applies."""
+    with closing(Service(settings_factory(taps=(_tap(tmp_path / "tap"),), rule="fused")).start()) as service:
+        examples = _examples(service)
+    assert autogates.choose(examples, ["hello there"], HashEncoder().embed_tokens(["hello there"])) is not None
+    monkeypatch.setattr("capd.fused.HEAD_BUDGET", len(examples.labels))
+    assert autogates.choose(examples, ["hello there"], HashEncoder().embed_tokens(["hello there"])) is None
