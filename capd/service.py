@@ -481,7 +481,9 @@ class Service:
                      "top_k": self.settings.top_k, "abstain_corpus": self.settings.abstain_corpus}
         gates = manifest.gates_for(rule)
         model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]))
-        self.auto_gates = self._auto_gates(head) if head is not None and self.settings.auto_gates else None
+        settled = self.settings.threshold is not None and self.settings.margin is not None  # nothing left to fit
+        wanted = head is not None and self.settings.auto_gates and not settled
+        self.auto_gates = self._auto_gates(head) if head is not None and wanted else None
         if self.auto_gates is not None:
             model_gates = Gates(self.auto_gates.threshold, self.auto_gates.margin, TOP_K)
         return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule)
