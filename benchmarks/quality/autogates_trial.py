@@ -1,7 +1,7 @@
 """Research harness for the fused rule's auto gates (``capd/autogates.py``): how its two constants were chosen.
 
 Run: ``.venv/bin/python -m benchmarks.quality.autogates_trial [--sets a,b] [--rates 0.02,0.03,0.05]
-[--cuts -0.05,0,0.05,0.1,9]`` (about 3 minutes on 2 cores).
+[--cuts -0.05,0,0.05,0.1,9]`` (about 4 minutes on 2 cores).
 
 Per set and candidate (``AUTO_NULL_RATE`` = the abstain-corpus null rate allowed, ``CORPUS_LEVEL_CUT``
 = corpus messages at or above this level at their winner are not nulls; 9 keeps them all): the auto
@@ -9,7 +9,9 @@ gates fitted on the set's tap (no fixture seen), then measured on the fit part a
 part of the fixtures (the split ``capd calibrate`` uses). The candidate shipped is the one with the
 best mean fit-part fired_right whose every set stays within null_fpr <= 0.05 and fired_wrong <= 0.03
 on its fit part, leaving out a set that no candidate keeps within them (its nulls cannot rank the
-candidates). Held-out rows play no part in the choice. Writes ``benchmarks/results/autogates_trial.json``.
+candidates). Held-out rows play no part in the choice. Also timed per set, in one process: embedding
+the corpus, fitting the auto gates (shipped constants: six heads and their scoring) and fitting the one
+head the fused rule needs anyway. Writes ``benchmarks/results/autogates_trial.json``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
-from capd import autogates
+from capd import autogates, fused
 from capd.calibrate import split
 from capd.encoder import open_encoder
 from capd.evaluation import score_table
@@ -64,6 +67,7 @@ def main(argv: list[str]) -> None:
     cuts = [float(c) for c in args.cuts.split(",")]
     shipped = autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT
     results: dict[str, dict[Candidate, dict[str, Any]]] = {}
+    costs: dict[str, dict[str, float]] = {}
     CACHE.mkdir(parents=True, exist_ok=True)
     encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
     corpus = abstain_corpus()
@@ -80,7 +84,17 @@ def main(argv: list[str]) -> None:
                 assert examples is not None
                 table = score_table(router, fixtures, vectors=bench.vectors(service, fixtures),
                                     tokens=bench.tokens(service, fixtures))
+                started = time.perf_counter()
                 embedded = router.encoder.embed_tokens(list(corpus))
+                cost = {"corpus_embed_s": time.perf_counter() - started}
+                started = time.perf_counter()
+                autogates.choose(examples, corpus, embedded)  # the shipped constants
+                cost["auto_gates_s"] = time.perf_counter() - started
+                started = time.perf_counter()
+                fused.fit_head(examples.vectors, examples.labels, len(examples.names))
+                cost["head_fit_s"] = time.perf_counter() - started
+                costs[evalset.name] = {k: round(v, 3) for k, v in cost.items()}
+                print(f"{evalset.name:20s} cost: " + ", ".join(f"{k} {v:.2f}" for k, v in cost.items()), flush=True)
                 per: dict[Candidate, dict[str, Any]] = {}
                 for cut in cuts:
                     for rate in rates:
@@ -106,7 +120,7 @@ def main(argv: list[str]) -> None:
           + f"; shipped: rate {shipped[0]:g}, cut {shipped[1]:g}")
     report = {"args": vars(args) | {"out": str(args.out)}, "skipped": skipped, "rankable": rankable,
               "chosen": None if best is None else {"rate": best[0], "cut": best[1]},
-              "shipped": {"rate": shipped[0], "cut": shipped[1]},
+              "shipped": {"rate": shipped[0], "cut": shipped[1]}, "cost_seconds": costs,
               "results": {s: [{"rate": c[0], "cut": c[1], **r} for c, r in per.items()] for s, per in results.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
