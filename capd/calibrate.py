@@ -177,11 +177,14 @@ def fit_gates(variants: Variants, rows: np.ndarray, grid: Grid, max_null_fpr: fl
 
 
 def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float = 0.05,
-              max_wrong: float = 0.03) -> dict[str, Any]:
+              max_wrong: float = 0.03, auto: Point | None = None) -> dict[str, Any]:
+    """The recommended gates, their curve and their fit / held-out metrics; with ``auto`` (the
+    fused rule's auto gates, :mod:`capd.autogates`), also what those give on the held-out rows."""
     fit_rows, held_rows = split(fixtures)
     vectors, tokens = embed_fixtures(router, fixtures)
     grid = grid_for(router.rule)
-    fitted = fit_gates(score_variants(router, fixtures, vectors, tokens, grid), fit_rows, grid, max_null_fpr, max_wrong)
+    variants = score_variants(router, fixtures, vectors, tokens, grid)
+    fitted = fit_gates(variants, fit_rows, grid, max_null_fpr, max_wrong)
     point = fitted.point
     report: dict[str, Any] = {
         "rule": router.rule,
@@ -196,6 +199,10 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         for label, rows in (("fit", fit_rows), ("held_out", held_rows)):
             sub = table.subset(rows)
             report[label] = metrics(sub, apply_gates(sub, point.threshold, point.margin))
+    if auto is not None and auto.top_k in variants[False]:
+        held = variants[False][auto.top_k].subset(held_rows)
+        report["auto_gates"] = {"gates": auto.as_dict(),
+                                "held_out": metrics(held, apply_gates(held, auto.threshold, auto.margin))}
     return report
 
 

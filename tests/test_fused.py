@@ -245,6 +245,8 @@ def test_auto_gates_beat_the_manifest_default_without_seeing_a_fixture(fused_cor
     default, _, _ = evaluate(router, rows, manifest.fused_threshold, manifest.fused_margin)
     assert auto["fired_right"] >= default["fired_right"] + 0.1
     assert auto["null_fpr"] <= default["null_fpr"] and auto["fired_wrong"] <= 0.03
+    reported = calibrate(router, core_fixtures, auto=fused_core.auto_gates)["auto_gates"]["held_out"]
+    assert (reported["fired_right"], reported["null_fpr"]) == (auto["fired_right"], auto["null_fpr"])  # capd calibrate
     with closing(Service(dataclasses.replace(fused_core.settings, auto_gates=False)).start()) as service:
         assert service.auto_gates is None and service.router.gates.default.threshold == manifest.fused_threshold
 

@@ -227,7 +227,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
     check_names(fixtures, service.catalog_now().capabilities)
-    report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong)
+    report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.auto_gates)
     point = report["recommended"]
     if write and point is not None:
         report["written"] = [str(write_gates(Path(t), point, service.gate_model, settings.rule)) for t in settings.taps]
@@ -254,6 +254,11 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
                 m = report[label]
                 click.echo(f"  {label:<9} fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}"
                            f"  null_fpr {_fmt(m['null_fpr'])}  top1 {_fmt(m['top1'])}")
+            if "auto_gates" in report:  # what the tap gets without these gates (fused: capd/autogates.py)
+                auto, m = report["auto_gates"]["gates"], report["auto_gates"]["held_out"]
+                click.echo(f"  without calibration (auto gates {auto['threshold']:.2f} / {auto['margin']:.3f}), "
+                           f"held_out fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}  "
+                           f"null_fpr {_fmt(m['null_fpr'])}")
             for path in report.get("written", []):
                 click.echo(f"wrote {path}")
     if point is None:
