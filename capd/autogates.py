@@ -9,8 +9,8 @@ transfers badly. Auto gates calibrate on what every tap already has:
   example of each capability goes to fold ``j mod AUTO_FOLDS``; the head, ``μ_in``, BM25 and
   the token table fitted on the other folds score the held fold, so an example never meets
   itself. A capability's only example stays in (there is nothing to score it against).
-- **nulls**: the shipped abstain corpus (:func:`capd.router.abstain_corpus`), scored with
-  everything, minus the messages whose level at their winner reaches ``CORPUS_LEVEL_CUT``: they
+- **nulls**: the shipped abstain corpus (:func:`capd.router.abstain_corpus`), scored by the head
+  the rule routes with, minus the messages whose level at their winner reaches ``CORPUS_LEVEL_CUT``: they
   are as close to a capability as its own examples are to each other ("see you tomorrow" for a
   tap with a goodbye capability is no null there).
 
@@ -38,7 +38,7 @@ from capd.calibrate import FUSED_GRID, Point, best_point
 from capd.encoder import Embedded, TokenVectors
 from capd.evaluation import ScoreTable
 from capd.fixtures import Fixture
-from capd.index import Ints, TriggerIndex
+from capd.index import Ints, TriggerIndex, segment_topk_mean
 
 log = logging.getLogger(__name__)
 
@@ -51,51 +51,45 @@ VERSION = "auto-1"  # bump when anything above changes the chosen gates
 
 @dataclass(frozen=True)
 class Examples:
-    """The fused rule's examples, as :meth:`capd.index.TriggerIndex.examples` gives them."""
+    """The fused rule's examples, as :meth:`capd.index.TriggerIndex.examples` gives them, and the
+    head fitted on all of them (which scores the corpus)."""
 
     names: tuple[str, ...]
     texts: tuple[str, ...]  # per vector row
     vectors: fused.Floats  # unit rows, grouped by capability
     labels: Ints  # each row's position in names
-    tokens: dict[str, fused.Floats] | None  # text -> token vectors (None: no second stage)
+    head: fused.FusedHead
+    embed_tokens: fused.EmbedTokens | None = None  # None: no second stage (the head has none)
 
 
-def examples_of(index: TriggerIndex, head: fused.FusedHead) -> Examples | None:
-    """The examples ``head`` was fitted on, from the index (None if the index has moved on)."""
+def examples_of(index: TriggerIndex, head: fused.FusedHead, embed_tokens: fused.EmbedTokens) -> Examples | None:
+    """The examples ``head`` was fitted on, from the index (None if the index has moved on). The
+    fold heads reuse ``head``'s token vectors: ``embed_tokens`` only serves a text it lacks (none,
+    normally), and is dropped when ``head`` has no second stage."""
     names, vectors, labels = index.examples()
     if names != head.names:
         return None
     texts = tuple(t for name in names for t in index.triggers(name))
-    return Examples(names, texts, vectors, labels, head.tokens.matrices() if head.tokens is not None else None)
+    return Examples(names, texts, vectors, labels, head, embed_tokens if head.tokens is not None else None)
 
 
-def nearest_mean(vectors: fused.Floats, examples: fused.Floats, labels: Ints, columns: int,
-                 k: int = fused.TOP_K) -> fused.Floats:
-    """``K`` ``[n, C]``: per capability, the mean of the top-min(k, n_c) example cosines (-1 without
+def nearest_mean(vectors: fused.Floats, examples: fused.Floats, labels: Ints, columns: int) -> fused.Floats:
+    """``K`` ``[n, C]``: the index's mean of the top-k example cosines per capability (-1 without
     examples); ``labels`` are grouped by capability, as the index keeps them."""
-    sims = vectors @ examples.T
     out = np.full((len(vectors), columns), -1.0, dtype=np.float32)
-    bounds = np.searchsorted(labels, np.arange(columns + 1))
-    for column in range(columns):
-        block = sims[:, bounds[column]:bounds[column + 1]]
-        if block.shape[1]:
-            kk = min(k, block.shape[1])
-            out[:, column] = -np.partition(-block, kk - 1, axis=1)[:, :kk].mean(axis=1)
+    present, starts, counts = np.unique(labels, return_index=True, return_counts=True)
+    if len(present):
+        out[:, present] = segment_topk_mean(np.asarray(vectors @ examples.T, dtype=np.float32), starts, counts,
+                                            fused.TOP_K)
     return out
 
 
 def _head(examples: Examples, rows: np.ndarray) -> fused.FusedHead:
-    """A fused head fitted on ``rows`` of the examples only."""
-    columns = len(examples.names)
-    texts = [examples.texts[i] for i in rows]
+    """The fused head fitted on ``rows`` of the examples only (token vectors reused, not re-embedded)."""
     labels = examples.labels[rows]
-    vectors = examples.vectors[rows]
-    weight, bias = fused.fit_head(vectors, labels, columns)
-    documents = [[t for t, label in zip(texts, labels, strict=True) if label == c] for c in range(columns)]
-    tokens = (None if examples.tokens is None else
-              fused.ExampleTokens.build(texts, labels, [examples.tokens[t] for t in texts], columns))
-    return fused.FusedHead(examples.names, fused.in_class_similarity(vectors, labels, columns), weight, bias,
-                           fused.Lexicon(documents), tokens)
+    documents = [[examples.texts[i] for i in rows[labels == c]] for c in range(len(examples.names))]
+    return fused.build_head(examples.names, documents, examples.vectors[rows], labels, key="", cache_dir=None,
+                            embed_tokens=examples.embed_tokens, previous=examples.head.tokens)
 
 
 def _score(head: fused.FusedHead, examples: Examples, rows: np.ndarray, vectors: fused.Floats,
@@ -113,6 +107,7 @@ def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Flo
         members = np.flatnonzero(labels == column)
         position[members] = np.arange(len(members))
     held_rows, fused_rows, level_rows = [], [], []
+    head_tokens = examples.head.tokens.matrices() if examples.head.tokens is not None else {}
     for fold in range(AUTO_FOLDS):
         held = position % AUTO_FOLDS == fold
         kept = np.bincount(labels[~held], minlength=len(examples.names))
@@ -121,8 +116,9 @@ def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Flo
             continue
         train, rows = np.flatnonzero(~held), np.flatnonzero(held)
         texts = [examples.texts[i] for i in rows]
-        tokens = None if examples.tokens is None else [examples.tokens[t] for t in texts]
-        scores = _score(_head(examples, train), examples, train, examples.vectors[rows], texts, tokens)
+        head = _head(examples, train)
+        tokens = None if head.tokens is None else [head_tokens[t] for t in texts]
+        scores = _score(head, examples, train, examples.vectors[rows], texts, tokens)
         held_rows.append(rows)
         fused_rows.append(scores.fused)
         level_rows.append(scores.level)
@@ -142,8 +138,8 @@ def choose(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded)
         return None
     everything = np.arange(len(examples.labels))
     corpus_vectors, corpus_tokens = corpus_embedded
-    null_scores = _score(_head(examples, everything), examples, everything, np.asarray(corpus_vectors, np.float32),
-                         corpus, corpus_tokens if examples.tokens is not None else None)
+    null_scores = _score(examples.head, examples, everything, np.asarray(corpus_vectors, np.float32), corpus,
+                         corpus_tokens)
     nulls = null_scores.winner_level < CORPUS_LEVEL_CUT
     names = examples.names
     fixtures = ([Fixture(examples.texts[i], (names[examples.labels[i]],), "positive", "example")

@@ -283,7 +283,10 @@ class Service:
             return embedder.embed(texts)[0]
 
         vetoes = Vetoes.build(refused, vectors_of)
-        gates = self._gatebook(catalog, head)
+        settled = self.settings.threshold is not None and self.settings.margin is not None  # nothing left to fit
+        self.auto_gates = (self._auto_gates(head) if head is not None and self.settings.auto_gates and not settled
+                           else None)
+        gates = self._gatebook(catalog, self.auto_gates)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
@@ -443,7 +446,7 @@ class Service:
     def _auto_gates(self, head: FusedHead) -> Point | None:
         """The fused gates fitted on the examples (cached by the head's key), logged when fitted."""
         assert self.index is not None and self.encoder is not None
-        examples = examples_of(self.index, head)
+        examples = examples_of(self.index, head, self.encoder.embed_tokens)
         if examples is None:
             return None
         encoder = self.encoder
@@ -472,7 +475,7 @@ class Service:
                     out[name] = messages
         return out
 
-    def _gatebook(self, catalog: Catalog, head: FusedHead | None = None) -> GateBook:
+    def _gatebook(self, catalog: Catalog, auto: Point | None = None) -> GateBook:
         """The gates in force: manifest < auto gates (``fused``, :mod:`capd.autogates`) < a tap's
         ``capd.toml`` < settings."""
         manifest = manifest_for(self.settings)
@@ -481,11 +484,8 @@ class Service:
                      "top_k": self.settings.top_k, "abstain_corpus": self.settings.abstain_corpus}
         gates = manifest.gates_for(rule)
         model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]))
-        settled = self.settings.threshold is not None and self.settings.margin is not None  # nothing left to fit
-        wanted = head is not None and self.settings.auto_gates and not settled
-        self.auto_gates = self._auto_gates(head) if head is not None and wanted else None
-        if self.auto_gates is not None:
-            model_gates = Gates(self.auto_gates.threshold, self.auto_gates.margin, TOP_K)
+        if auto is not None:
+            model_gates = Gates(auto.threshold, auto.margin, TOP_K)
         return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule)
 
     def _gate_model(self, manifest_name: str) -> str:

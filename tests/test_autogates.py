@@ -40,8 +40,8 @@ def _tap(root: Path) -> Path:
 
 def _examples(service: Service) -> autogates.Examples:
     assert service.index is not None and service.router.head is not None and service.router.head.tokens is not None
-    examples = autogates.examples_of(service.index, service.router.head)
-    assert examples is not None and examples.tokens is not None
+    examples = autogates.examples_of(service.index, service.router.head, service.router.encoder.embed_tokens)
+    assert examples is not None and examples.embed_tokens is not None
     return examples
 
 

@@ -10,7 +10,7 @@ part of the fixtures (the split ``capd calibrate`` uses). The candidate shipped 
 best mean fit-part fired_right whose every set stays within null_fpr <= 0.05 and fired_wrong <= 0.03
 on its fit part, leaving out a set that no candidate keeps within them (its nulls cannot rank the
 candidates). Held-out rows play no part in the choice. Also timed per set, in one process: embedding
-the corpus, fitting the auto gates (shipped constants: six heads and their scoring) and fitting the one
+the corpus, fitting the auto gates (shipped constants: five fold heads and the scoring) and fitting the one
 head the fused rule needs anyway. Writes ``benchmarks/results/autogates_trial.json``.
 """
 
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> None:
             try:
                 router = service.router
                 assert router.head is not None and service.index is not None
-                examples = autogates.examples_of(service.index, router.head)
+                examples = autogates.examples_of(service.index, router.head, router.encoder.embed_tokens)
                 assert examples is not None
                 table = score_table(router, fixtures, vectors=bench.vectors(service, fixtures),
                                     tokens=bench.tokens(service, fixtures))
