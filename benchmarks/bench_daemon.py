@@ -13,6 +13,8 @@ For taps of about 60, 1,000 and 10,000 generated capabilities (:mod:`benchmarks.
 - throughput with 1, 8 and 32 concurrent clients (threads, one keep-alive client each);
 - RSS of the daemon after the load; warm start to ready (process spawn to ``/v1/health``
   ready) with the cached data dir, cold start with an empty one (ONNX export + embedding);
+- keeping a rule's fitted state fresh (:func:`rule_upkeep`, 60 and 1,000 capabilities): per rule
+  (``capd``, ``fused``), the first start, two tap edits while running, and a restart;
 - in this process: the bare single-message encode (ONNX and torch), capd's scoring
   (``TriggerIndex.top_capabilities``) and the anchor rule's scoring (mean of the top-3 trigger
   cosines of every capability, brute force in numpy) for the same message vectors.
@@ -47,6 +49,7 @@ import numpy as np
 from filelock import FileLock
 
 from benchmarks import gen_tap
+from capd.autogates import AUTO_REFIT_SHARE
 from capd.encoder import Encoder, open_encoder
 from capd.index import TriggerIndex
 from capd.settings import Settings
@@ -74,11 +77,12 @@ class Plan:
     torch_daemon: bool = True
     scoring_messages: int = 300
     ready_timeout_s: float = 900.0
+    upkeep_sizes: tuple[int, ...] = (60, 1_000)  # rule_upkeep (the fused rule's fitting), not at 10,000
 
 
 FULL = Plan()
 QUICK = Plan(sizes=(60, 1_000), latency_messages=300, latency_budget_s=10.0, torch_messages=100, level_seconds=2.5,
-             warm_runs=2, cold_sizes=(60,), torch_daemon=False, scoring_messages=100)
+             warm_runs=2, cold_sizes=(60,), torch_daemon=False, scoring_messages=100, upkeep_sizes=(60,))
 
 
 # -- small helpers ----------------------------------------------------------------------------
@@ -118,14 +122,14 @@ def ratio(a: float, b: float) -> float:
 class Daemon:
     """One ``python -m capd serve`` process on a free loopback port; stderr goes to a log file."""
 
-    def __init__(self, tap: Path, data_dir: Path, log_dir: Path, backend: str = "onnx") -> None:
+    def __init__(self, tap: Path, data_dir: Path, log_dir: Path, backend: str = "onnx", rule: str = "capd") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"daemon-{self.port}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("CAPD_")}
         env["XDG_CONFIG_HOME"] = str(log_dir)  # no user config file leaks into the measurement
         command = [sys.executable, "-m", "capd", "serve", "--tap", str(tap), "--data-dir", str(data_dir),
-                   "--port", str(self.port), "--backend", backend]
+                   "--port", str(self.port), "--backend", backend, "--rule", rule]
         self._log = self.log_path.open("wb")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log, env=env, cwd=ROOT)
@@ -177,9 +181,9 @@ class Daemon:
 
 
 @contextmanager
-def running(tap: Path, data_dir: Path, log_dir: Path, timeout: float,
-            backend: str = "onnx") -> Iterator[tuple[Daemon, float, dict[str, Any]]]:
-    daemon = Daemon(tap, data_dir, log_dir, backend)
+def running(tap: Path, data_dir: Path, log_dir: Path, timeout: float, backend: str = "onnx",
+            rule: str = "capd") -> Iterator[tuple[Daemon, float, dict[str, Any]]]:
+    daemon = Daemon(tap, data_dir, log_dir, backend, rule)
     try:
         seconds, health = daemon.wait_ready(timeout)
         yield daemon, seconds, health
@@ -392,6 +396,68 @@ def bench_size(size: int, plan: Plan, onnx: Encoder, messages: list[str], log_di
                                                          plan.level_max_requests, f"tp{size}-{clients}")
         out["memory"] = daemon.memory_mb()
     out["scoring"] = scoring(size, onnx, data_dir, messages[:plan.scoring_messages])
+    if size in plan.upkeep_sizes:
+        out["upkeep"] = rule_upkeep(size, plan, log_dir)
+    return out
+
+
+EDIT_TRIGGERS = ("rotate the staging signing keys", "which signing keys expire this month",
+                 "revoke the signing key for the old build server", "list every signing key and its owner",
+                 "create a signing key for the release pipeline")
+
+
+def add_capability(tap: Path, name: str) -> None:
+    """A tap edit: one new capability (a config.toml with a description and five triggers)."""
+    folder = tap / "capabilities" / name
+    scratch = tap.parent / f".{name}.tmp"  # written whole, then moved in: the watcher sees one complete file
+    scratch.mkdir(parents=True)
+    quoted = ", ".join(json.dumps(f"{t} ({name})") for t in EDIT_TRIGGERS)
+    (scratch / "config.toml").write_text(f'description = "Signing keys ({name})."\ntriggers = [{quoted}]\n',
+                                         encoding="utf-8")
+    scratch.rename(folder)
+
+
+def wait_for(daemon: Daemon, capabilities: int, timeout: float) -> float:
+    """Seconds until ``/v1/health`` reports ``capabilities`` (the new catalog is live)."""
+    started = time.perf_counter()
+    with httpx.Client(base_url=daemon.url, timeout=5.0) as client:
+        while time.perf_counter() - started < timeout:
+            if client.get("/v1/health").json().get("capabilities") == capabilities:
+                return time.perf_counter() - started
+            time.sleep(0.05)
+    raise RuntimeError(f"the edit was not live after {timeout} s:\n{daemon.log_tail()}")
+
+
+def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:
+    """Per rule (``capd``, ``fused``), on copies of the size's tap and primed data dir (trigger
+    vectors cached, nothing fitted): the first start with that rule, two successive tap edits
+    (one capability added each; seconds until ``/v1/health`` shows it, the watcher's debounce
+    included) and a restart. What ``fused`` adds: its head, the examples' token vectors and
+    its auto gates, fitted on the first start and refreshed on each edit (and each applied
+    learned correction, which takes the same path)."""
+    tap, data_dir = gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}"
+    out: dict[str, Any] = {}
+    for rule in ("capd", "fused"):
+        scratch = Path(tempfile.mkdtemp(prefix=f"capd-upkeep-{size}-{rule}-"))
+        try:
+            work_tap, work_data = scratch / "tap", scratch / "data"
+            shutil.copytree(tap, work_tap)
+            shutil.copytree(data_dir, work_data, ignore=shutil.ignore_patterns("sessions.sqlite3*", "*.lock"))
+            row: dict[str, Any] = {}
+            with running(work_tap, work_data, log_dir, plan.ready_timeout_s, rule=rule) as (daemon, seconds, health):
+                row["first_start_s"] = round(seconds, 2)
+                count, edits = health["capabilities"], []
+                for edit in range(2):
+                    count += 1
+                    add_capability(work_tap, f"bench-edit-{edit}")
+                    edits.append(round(wait_for(daemon, count, plan.ready_timeout_s), 2))
+                row["edit_live_s"] = edits
+            with running(work_tap, work_data, log_dir, plan.ready_timeout_s, rule=rule) as (_, seconds, _):
+                row["restart_s"] = round(seconds, 2)
+            out[rule] = row
+            print(f"   {rule}: {row}", flush=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 
@@ -527,12 +593,35 @@ def markdown(result: dict[str, Any]) -> str:
     if cold_notes:
         lines += [f"† not measured like the others (those start from an empty temporary data dir each run): "
                   f"{'; '.join(cold_notes)}.", ""]
+    lines += upkeep_lines(result)
     lines += ["## Targets", "", "| target | measured | limit | |", "|---|---|---|---|"]
     for t in result["targets"]:
         lines.append(f"| {t['target']} | {t['value']} {t['unit']} | {t['comparison']} {t['limit']} {t['unit']} | "
                      f"{'pass' if t['pass'] else '**miss**'} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def upkeep_lines(result: dict[str, Any]) -> list[str]:
+    sizes = [s for s in result["sizes"] if "upkeep" in result["by_size"][str(s)]]
+    if not sizes:
+        return []
+    lines = ["## Keeping a rule's fitted state fresh", "",
+             "On copies of each tap and its data dir (trigger vectors cached, nothing fitted): the first start "
+             "with the rule, two tap edits while it runs (one capability added each; seconds until `/v1/health` "
+             "shows it, the watcher's debounce included), then a restart. `fused` fits its head, its examples' "
+             "token vectors and its auto gates on the first start; an edit refits the head, and the auto gates "
+             f"carry over until more than {AUTO_REFIT_SHARE:.0%} of the capabilities changed since their fit.", "",
+             "| rule | " + " | ".join(f"{s:,} caps: first start / edit 1, edit 2 / restart (s)" for s in sizes) + " |",
+             "|---|" + "---|" * len(sizes)]
+    for rule in ("capd", "fused"):
+        cells = []
+        for size in sizes:
+            row = result["by_size"][str(size)]["upkeep"][rule]
+            cells.append(f"{row['first_start_s']:.1f} / {', '.join(f'{e:.1f}' for e in row['edit_live_s'])} / "
+                         f"{row['restart_s']:.1f}")
+        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -211,15 +211,17 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
 
         def warm() -> None:
             nonlocal watcher
+            if watch:  # before the taps load: an edit made while they load is applied once they have
+                watcher = TapWatcher(service)
+                watcher.observe()
             try:
                 service.start()
             except Exception:
                 log.exception("capd failed to start")
                 return
             log.info("ready: %d capabilities in %.2fs", len(service.catalog_now()), service.ready_after or 0)
-            if watch and not stop.is_set():
-                watcher = TapWatcher(service)
-                watcher.start()
+            if watcher is not None and not stop.is_set():
+                watcher.apply()
             while not stop.wait(60.0):
                 if service.registry is not None:
                     service.registry.expire()

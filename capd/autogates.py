@@ -20,6 +20,15 @@ chosen on the fit parts of the shared eval sets and taps/core (``benchmarks/qual
 "Auto gates"); the held-out parts were not used. Precedence: manifest < auto gates < a tap's
 ``capd.toml`` < settings. The result is cached in the data directory by the content hash of
 the examples, the corpus and these constants.
+
+**Refits.** Fitting costs five head fits (about 50 s for 1,000 capabilities on two cores, a
+second or two for tens), and every tap edit or applied learned correction changes the
+examples. The point is a statistic over all of them, so a few changed capabilities barely
+move it: the gates carry over until more than ``AUTO_REFIT_SHARE`` of the capabilities they
+were fitted on have changed (added, removed, or other examples), counted from the last fit,
+not from the last edit, and with the same model. A carried-over point is cached for the new
+examples with the fit it came from, so a restart keeps it (``benchmarks/quality/README.md``,
+"Auto gates carried over", measures what carrying over costs against refitting).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +55,36 @@ AUTO_FOLDS = 5
 AUTO_NULL_RATE = 0.02  # of the corpus messages kept as nulls
 AUTO_MAX_WRONG = 0.03
 CORPUS_LEVEL_CUT = 0.0
-VERSION = "auto-1"  # bump when anything above changes the chosen gates
+AUTO_REFIT_SHARE = 0.02  # of the capabilities fitted on that may change before the gates are refitted
+VERSION = "auto-2"  # bump when anything above changes the chosen gates or the cache file
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Auto gates (None: no feasible point) and what they were fitted on: the model and each
+    capability's examples fingerprint (:meth:`capd.index.TriggerIndex.fingerprint_of`)."""
+
+    point: Point | None
+    model: str
+    basis: Mapping[str, str]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"point": None if self.point is None else self.point.as_dict(), "model": self.model,
+                "basis": dict(self.basis)}
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, object]) -> Fit:
+        point, basis = stored["point"], stored["basis"]
+        if not isinstance(basis, dict) or not (point is None or isinstance(point, dict)):
+            raise ValueError("not an auto gates record")
+        return cls(None if point is None else Point(**point), str(stored["model"]),
+                   {str(k): str(v) for k, v in basis.items()})
+
+
+def changed_share(basis: Mapping[str, str], current: Mapping[str, str]) -> float:
+    """The share of ``basis``'s capabilities that were added, removed or changed in ``current``."""
+    changed = sum(basis.get(name) != current.get(name) for name in basis.keys() | current.keys())
+    return changed / max(len(basis), 1)
 
 
 @dataclass(frozen=True)
@@ -155,29 +193,38 @@ def choose(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded)
 
 
 def auto_gates(examples: Examples, corpus: Sequence[str], embed_corpus: Callable[[Sequence[str]], Embedded],
-               head_key: str, cache_dir: Path | None) -> Point | None:
-    """:func:`choose`, cached in ``cache_dir`` by the head's key, the corpus and :data:`VERSION`."""
+               head_key: str, cache_dir: Path | None, model: str = "", fingerprints: Mapping[str, str] | None = None,
+               previous: Fit | None = None) -> Fit:
+    """:func:`choose`, cached in ``cache_dir`` by the head's key, the corpus and :data:`VERSION`;
+    ``previous`` (the last fit, for ``model``) carries over while the examples' ``fingerprints``
+    differ from its basis in at most :data:`AUTO_REFIT_SHARE` of the capabilities."""
+    fingerprints = dict(fingerprints or {})
     digest = hashlib.sha256(f"{VERSION}\n{head_key}\n{AUTO_FOLDS} {AUTO_NULL_RATE} {AUTO_MAX_WRONG} "
-                            f"{CORPUS_LEVEL_CUT}\n".encode())
+                            f"{CORPUS_LEVEL_CUT} {AUTO_REFIT_SHARE}\n".encode())
     for message in corpus:
         digest.update(message.encode() + b"\n")
     path = cache_dir / f"{digest.hexdigest()}.auto.json" if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-            return None if stored is None else Point(**stored)
-        except (OSError, ValueError, TypeError) as exc:
+            return Fit.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
             log.warning("ignoring unreadable auto gates %s: %s", path, exc)
-    point = choose(examples, corpus, embed_corpus(corpus))
-    if point is None:
-        log.warning("auto gates: none (no feasible point on the examples, or over the head budget); "
-                    "using the model manifest's fused gates")
+    share = None if previous is None or previous.model != model else changed_share(previous.basis, fingerprints)
+    if previous is not None and share is not None and share <= AUTO_REFIT_SHARE:
+        fit = previous
+        log.info("fused auto gates carried over: %.1f%% of the capabilities changed since they were fitted "
+                 "(refitted above %g%%)", 100 * share, 100 * AUTO_REFIT_SHARE)
+    else:
+        fit = Fit(choose(examples, corpus, embed_corpus(corpus)), model, fingerprints)
+        if fit.point is None:
+            log.warning("auto gates: none (no feasible point on the examples, or over the head budget); "
+                        "using the model manifest's fused gates")
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(None if point is None else point.as_dict()), encoding="utf-8")
+            tmp.write_text(json.dumps(fit.as_dict()), encoding="utf-8")
             tmp.replace(path)
         except OSError as exc:  # a read-only data directory only costs a refit next start
             log.warning("cannot cache the auto gates in %s: %s", path.parent, exc)
-    return point
+    return fit

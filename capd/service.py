@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capd.autogates import Fit as AutoFit
 from capd.autogates import auto_gates, examples_of
 from capd.batching import MicroBatcher
 from capd.calibrate import Point
@@ -94,6 +95,12 @@ class _TapState:
     capabilities: dict[str, Capability] = field(default_factory=dict)
     problems: dict[str, list[Problem]] = field(default_factory=dict)
 
+    def in_folder_order(self) -> list[Capability]:
+        """The capabilities in folder order, as a full scan finds them: one that a reload adds
+        does not go last, so the catalog after an edit is the one a restart builds (the fused
+        head's key follows that order, and a restart then reuses what the reload fitted)."""
+        return [self.capabilities[name] for name in sorted(self.capabilities)]
+
 
 class Service:
     def __init__(self, settings: Settings, encoder: Encoder | None = None, sessions: bool = False,
@@ -113,6 +120,7 @@ class Service:
         self._lock = threading.RLock()  # serialises reloads
         self._snapshot: Snapshot | None = None
         self.auto_gates: Point | None = None  # the fused rule's gates fitted on the examples (capd/autogates.py)
+        self._auto_fit: AutoFit | None = None  # and the examples they were fitted on
         self._corpus_embedded: tuple[str, Embedded] | None = None  # (model id, the abstain corpus embedded)
         self._taps: dict[Path, _TapState] = {}
         self._tap_errors: list[Problem] = []
@@ -223,7 +231,7 @@ class Service:
                 # capabilities until it comes back; the error shows in health and the log.
                 missing = Problem("error", str(tap), "tap directory is missing or has no capabilities/; serving "
                                   f"its last good {len(state.capabilities)} capabilities", code="missing-tap")
-                loads.append((list(state.capabilities.values()), [missing], None))
+                loads.append((state.in_folder_order(), [missing], None))
                 continue
             dirs = capability_dirs(tap)
             names = {d.name for d in dirs}
@@ -247,7 +255,7 @@ class Service:
                               "; ".join(str(p) for p in problems))
             tap_problems = [p for ps in state.problems.values() for p in ps]
             config, found = load_tap_config(tap)
-            loads.append((list(state.capabilities.values()), tap_problems + found, config))
+            loads.append((state.in_folder_order(), tap_problems + found, config))
         return assemble(taps, loads)
 
     def reload(self, changed: Iterable[Path] | None = None) -> dict[str, Any]:
@@ -456,7 +464,10 @@ class Service:
                 self._corpus_embedded = encoder.model_id, encoder.embed_tokens(corpus)
             return self._corpus_embedded[1]
 
-        point = auto_gates(examples, abstain_corpus(), embed_corpus, head.key, self.settings.data_dir / "heads")
+        fingerprints = {name: self.index.fingerprint_of(name) or "" for name in examples.names}
+        fit = auto_gates(examples, abstain_corpus(), embed_corpus, head.key, self.settings.data_dir / "heads",
+                         encoder.model_id, fingerprints, self._auto_fit)
+        self._auto_fit, point = fit, fit.point
         if point is not None and point != self.auto_gates:
             log.info("fused auto gates: threshold %.2f, margin %.2f (examples out of fold: fired_right %.2f, "
                      "fired_wrong %.2f; abstain corpus fired %.2f)", point.threshold, point.margin,

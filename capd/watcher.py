@@ -68,6 +68,14 @@ class TapWatcher:
         self.applied = 0  # batches applied, for tests and metrics
 
     def start(self) -> None:
+        """:meth:`observe` and :meth:`apply`: for a service already started."""
+        self.observe()
+        self.apply()
+
+    def observe(self) -> None:
+        """Record changes from now on, applying none yet. The daemon calls this before the
+        service loads its taps, so nothing written while they load (a fused first start on a
+        large tap takes minutes) or just after they are ready is missed."""
         observer = Observer()
         self._taps = [Path(t).expanduser().absolute() for t in self.service.settings.taps]
         self._handler = _Queue(self, self._taps)
@@ -77,7 +85,11 @@ class TapWatcher:
                 observer.schedule(self._handler, str(tap.parent), recursive=False, event_filter=_EVENTS)
         self._observer = observer
         self._watch_taps()
-        observer.start()
+        observer.start()  # the inotify watches are in place when this returns
+
+    def apply(self) -> None:
+        """Reload what changes touch (those recorded since :meth:`observe` first), once the
+        service has started."""
         self._thread = threading.Thread(target=self._run, name="capd-watcher", daemon=True)
         self._thread.start()
 

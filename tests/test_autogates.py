@@ -80,11 +80,58 @@ def test_auto_gates_are_cached_by_the_examples(settings_factory: SettingsFactory
         examples = _examples(service)
     cache = tmp_path / "cache"
     first = autogates.auto_gates(examples, corpus, embed_corpus, "key-1", cache)
-    assert first is not None and calls == [len(corpus)] and len(list(cache.glob("*.auto.json"))) == 1
+    assert first.point is not None and calls == [len(corpus)] and len(list(cache.glob("*.auto.json"))) == 1
     assert autogates.auto_gates(examples, corpus, embed_corpus, "key-1", cache) == first
     assert calls == [len(corpus)]  # read back, not refitted
     autogates.auto_gates(examples, corpus, embed_corpus, "key-2", cache)
     assert len(calls) == 2  # other examples: fitted again
+
+
+def test_auto_gates_carry_over_until_enough_capabilities_changed(settings_factory: SettingsFactory,
+                                                                 tmp_path: Path) -> None:
+    calls: list[int] = []
+    encoder = HashEncoder()
+
+    def embed_corpus(corpus: Sequence[str]) -> Embedded:
+        calls.append(len(corpus))
+        return encoder.embed_tokens(corpus)
+
+    with closing(Service(settings_factory(taps=(_tap(tmp_path / "tap"),), rule="fused")).start()) as service:
+        examples = _examples(service)
+    corpus, cache = ["hello there", "who won the match"], tmp_path / "cache"
+    basis = {f"cap-{i}": "v1" for i in range(100)}
+    fitted = autogates.auto_gates(examples, corpus, embed_corpus, "k0", cache, "model-a", basis)
+    assert calls == [2] and fitted.basis == basis and fitted.point is not None
+    two_changed = basis | {"cap-0": "v2", "cap-100": "new"}  # 2 of 100 = 2%: carried over, counted from the fit
+    carried = autogates.auto_gates(examples, corpus, embed_corpus, "k1", cache, "model-a", two_changed, fitted)
+    assert calls == [2] and carried == fitted
+    restart = autogates.auto_gates(examples, corpus, embed_corpus, "k1", cache, "model-a", two_changed)
+    assert restart == fitted  # read back with the fit it came from
+    three_changed = two_changed | {"cap-1": "v2"}  # 3 of 100 since the fit, though one since the last edit
+    refitted = autogates.auto_gates(examples, corpus, embed_corpus, "k2", cache, "model-a", three_changed, carried)
+    assert calls == [2, 2] and refitted.basis == three_changed
+    other_model = autogates.auto_gates(examples, corpus, embed_corpus, "k3", cache, "model-b", three_changed, refitted)
+    assert calls == [2, 2, 2] and other_model.model == "model-b"  # a tuned model has its own scale: refitted
+    assert autogates.changed_share({}, {"a": "1"}) == 1.0
+
+
+def test_a_restart_after_an_edit_reuses_what_the_reload_fitted(settings_factory: SettingsFactory,
+                                                               tmp_path: Path) -> None:
+    """A capability added by a reload takes its folder's place in the catalog, not the last one, so
+    the catalog a restart builds is the same and finds the head and auto gates the reload fitted."""
+    tap = _tap(tmp_path / "tap")
+    settings = settings_factory(taps=(tap,), rule="fused")
+    with closing(Service(settings).start()) as service:
+        write_capability(tap, "aardvark", ["feed the aardvark", "where is the aardvark", "weigh the aardvark"])
+        service.reload([tap / "capabilities" / "aardvark" / "config.toml"])
+        live_names, live_key = service.router.head.names, service.router.head.key  # type: ignore[union-attr]
+        live_gates = service.auto_gates
+    heads = sorted(p.name for p in (settings.data_dir / "heads").iterdir())
+    with closing(Service(settings).start()) as service:
+        assert service.router.head is not None
+        assert (service.router.head.names, service.router.head.key) == (live_names, live_key)
+        assert live_names[0] == "aardvark" and service.auto_gates == live_gates
+    assert sorted(p.name for p in (settings.data_dir / "heads").iterdir()) == heads  # nothing new fitted
 
 
 def test_a_taps_gates_and_the_settings_override_the_auto_gates(settings_factory: SettingsFactory,

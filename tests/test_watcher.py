@@ -7,6 +7,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+from fastapi.testclient import TestClient
+
+from capd.api import create_app
 from capd.service import Service
 from capd.settings import Settings
 from capd.watcher import TapWatcher
@@ -121,3 +125,22 @@ def test_tap_deleted_and_created_anew_is_watched_again(tmp_path: Path) -> None:
         assert _wait(lambda: "late-arrival" in service.catalog_now())
     finally:
         watcher.stop()
+
+
+def test_an_edit_made_while_the_daemon_starts_is_applied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon watches the taps before it loads them: a capability written after the load read
+    the folder but before the service was ready (a fused first start on a large tap takes minutes)
+    still goes live, through a real observer."""
+    tap = octomind_tap(tmp_path)
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
+    start = Service.start
+
+    def start_then_edit(service: Service) -> Service:
+        started = start(service)
+        write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
+        return started
+
+    monkeypatch.setattr(Service, "start", start_then_edit)
+    with TestClient(create_app(settings, warm_in_background=False)) as client:
+        assert _wait(lambda: "database-mysql" in {c["name"] for c in client.get("/v1/capabilities").json()
+                                                  ["capabilities"]})

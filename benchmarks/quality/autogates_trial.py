@@ -11,7 +11,16 @@ best mean fit-part fired_right whose every set stays within null_fpr <= 0.05 and
 on its fit part, leaving out a set that no candidate keeps within them (its nulls cannot rank the
 candidates). Held-out rows play no part in the choice. Also timed per set, in one process: embedding
 the corpus, fitting the auto gates (shipped constants: five fold heads and the scoring) and fitting the one
-head the fused rule needs anyway. Writes ``benchmarks/results/autogates_trial.json``.
+head the fused rule needs anyway.
+
+Carrying over (``AUTO_REFIT_SHARE``): a daemon keeps its auto gates until more than that share
+of the capabilities changed since the fit. Per set, share (``--shares``) and seed, the gates are
+fitted without a random ``share`` of its capabilities (rounded down), as if those had been added
+after the fit, and measured on the whole tap next to the gates refitted on all of it: the most a
+carried-over point can differ at that share. A set too small for one capability to stay within
+the share never carries over (any change refits).
+
+Writes ``benchmarks/results/autogates_trial.json``.
 """
 
 from __future__ import annotations
@@ -55,19 +64,61 @@ def choose(results: dict[str, dict[Candidate, dict[str, Any]]]) -> tuple[Candida
     return best, rankable
 
 
+CARRY_SEEDS = 3
+
+
+def without(examples: autogates.Examples, dropped: np.ndarray) -> autogates.Examples:
+    """``examples`` as if the ``dropped`` capabilities had no examples yet (their columns never win)."""
+    rows = np.flatnonzero(~np.isin(examples.labels, dropped))
+    return autogates.Examples(examples.names, tuple(examples.texts[i] for i in rows), examples.vectors[rows],
+                              examples.labels[rows], autogates._head(examples, rows), examples.embed_tokens)
+
+
+def carry_over(examples: autogates.Examples, corpus: list[str], embedded: Any, table: Any, rows: dict[str, np.ndarray],
+               refitted: Any, share: float) -> list[dict[str, Any]]:
+    """Per seed: the gates fitted before a random ``share`` of the capabilities were added, on the
+    whole tap's fixtures, next to ``refitted`` (fitted on all of it)."""
+    columns = len(examples.names)
+    count = int(share * columns)
+    out: list[dict[str, Any]] = []
+    for seed in range(CARRY_SEEDS if count else 0):
+        dropped = np.random.default_rng(seed).choice(columns, size=count, replace=False)
+        point = autogates.choose(without(examples, dropped), corpus, embedded)
+        out.append({"share": share, "seed": seed, "added_after_fit": count,
+                    "gates": None if point is None else point.as_dict(),
+                    **({} if point is None else {part: gated(table, r, point.threshold, point.margin)
+                                                 for part, r in rows.items()}),
+                    "refitted": {part: gated(table, r, refitted.threshold, refitted.margin)
+                                 for part, r in rows.items()}})
+    return out
+
+
+def carry_line(run: dict[str, Any], refitted: Any) -> str:
+    head = f"carried over at {run['share']:g} (+{run['added_after_fit']} capabilities, seed {run['seed']}): "
+    if run["gates"] is None:
+        return head + "no feasible point"
+    parts = [f"{part} fr {run[part]['fired_right']:.3f} vs {run['refitted'][part]['fired_right']:.3f}, "
+             f"null {run[part]['null_fpr']} vs {run['refitted'][part]['null_fpr']}" for part in ("fit", "held_out")]
+    return (head + f"gates {run['gates']['threshold']:+.2f} / {run['gates']['margin']:.2f} vs refitted "
+            f"{refitted.threshold:+.2f} / {refitted.margin:.2f}; " + "; ".join(parts))
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", default=",".join(SETS))
     parser.add_argument("--rates", default="0.02,0.03,0.05")
     parser.add_argument("--cuts", default="-0.05,0,0.05,0.1,9")
+    parser.add_argument("--shares", default="0.02,0.05", help="carry-over shares to measure")
     parser.add_argument("--out", type=Path, default=RESULTS / "autogates_trial.json")
     args = parser.parse_args(argv)
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
     rates = [float(r) for r in args.rates.split(",")]
     cuts = [float(c) for c in args.cuts.split(",")]
+    shares = [float(c) for c in args.shares.split(",")]
     shipped = autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT
     results: dict[str, dict[Candidate, dict[str, Any]]] = {}
     costs: dict[str, dict[str, float]] = {}
+    carried: dict[str, list[dict[str, Any]]] = {}
     CACHE.mkdir(parents=True, exist_ok=True)
     encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
     corpus = abstain_corpus()
@@ -88,13 +139,18 @@ def main(argv: list[str]) -> None:
                 embedded = router.encoder.embed_tokens(list(corpus))
                 cost = {"corpus_embed_s": time.perf_counter() - started}
                 started = time.perf_counter()
-                autogates.choose(examples, corpus, embedded)  # the shipped constants
+                refitted = autogates.choose(examples, corpus, embedded)  # the shipped constants
                 cost["auto_gates_s"] = time.perf_counter() - started
                 started = time.perf_counter()
                 fused.fit_head(examples.vectors, examples.labels, len(examples.names))
                 cost["head_fit_s"] = time.perf_counter() - started
                 costs[evalset.name] = {k: round(v, 3) for k, v in cost.items()}
                 print(f"{evalset.name:20s} cost: " + ", ".join(f"{k} {v:.2f}" for k, v in cost.items()), flush=True)
+                if refitted is not None:
+                    carried[evalset.name] = [run for share in shares for run in carry_over(
+                        examples, corpus, embedded, table, {"fit": fit_rows, "held_out": held_rows}, refitted, share)]
+                    for run in carried[evalset.name]:
+                        print(f"{evalset.name:20s} {carry_line(run, refitted)}", flush=True)
                 per: dict[Candidate, dict[str, Any]] = {}
                 for cut in cuts:
                     for rate in rates:
@@ -120,7 +176,7 @@ def main(argv: list[str]) -> None:
           + f"; shipped: rate {shipped[0]:g}, cut {shipped[1]:g}")
     report = {"args": vars(args) | {"out": str(args.out)}, "skipped": skipped, "rankable": rankable,
               "chosen": None if best is None else {"rate": best[0], "cut": best[1]},
-              "shipped": {"rate": shipped[0], "cut": shipped[1]}, "cost_seconds": costs,
+              "shipped": {"rate": shipped[0], "cut": shipped[1]}, "cost_seconds": costs, "carry_over": carried,
               "results": {s: [{"rate": c[0], "cut": c[1], **r} for c, r in per.items()] for s, per in results.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
