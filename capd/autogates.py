@@ -21,9 +21,9 @@ chosen on the fit parts of the shared eval sets and taps/core (``benchmarks/qual
 ``capd.toml`` < settings. The result is cached in the data directory by the content hash of
 the examples, the corpus and these constants.
 
-**Refits.** Fitting costs five head fits (about 50 s for 1,000 capabilities on two cores, a
-second or two for tens), and every tap edit or applied learned correction changes the
-examples. The point is a statistic over all of them, so a few changed capabilities barely
+**Refits.** Fitting costs five head fits (on a 1,000-capability tap an edit was live after
+66 s with them and 13 s without, ``benchmarks/bench_daemon.py``), and every tap edit or applied
+learned correction changes the examples. The point is a statistic over all of them, so a few changed capabilities barely
 move it: the gates carry over until more than ``AUTO_REFIT_SHARE`` of the capabilities they
 were fitted on have changed (added, removed, or other examples), counted from the last fit,
 not from the last edit, and with the same model. A carried-over point is cached for the new
