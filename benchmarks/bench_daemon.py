@@ -136,21 +136,28 @@ class Daemon:
 
     def wait_ready(self, timeout: float) -> tuple[float, dict[str, Any]]:
         """Seconds from spawn to ``ready: true``, and the health payload."""
+        health = self.wait_health(lambda h: bool(h.get("ready")), timeout, "ready")
+        return time.perf_counter() - self.started, health
+
+    def wait_health(self, condition: Callable[[dict[str, Any]], bool], timeout: float,
+                    what: str) -> dict[str, Any]:
+        """Poll ``/v1/health`` until ``condition`` holds for it; raise if the daemon dies or
+        reports a startup error first, or after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with httpx.Client(base_url=self.url, timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
                 try:
-                    health = client.get("/v1/health").json()
-                    if health.get("ready"):
-                        return time.perf_counter() - self.started, health
+                    health: dict[str, Any] = client.get("/v1/health").json()
+                    if condition(health):
+                        return health
                     if health.get("startup_error"):
                         raise RuntimeError(f"daemon failed to start: {health['startup_error']}")
                 except httpx.TransportError:
                     pass
                 time.sleep(0.02)
-        raise RuntimeError(f"daemon not ready after {timeout} s:\n{self.log_tail()}")
+        raise RuntimeError(f"daemon not {what} after {timeout} s:\n{self.log_tail()}")
 
     def memory_mb(self) -> dict[str, float]:
         fields: dict[str, float] = {}
@@ -420,12 +427,8 @@ def add_capability(tap: Path, name: str) -> None:
 def wait_for(daemon: Daemon, capabilities: int, timeout: float) -> float:
     """Seconds until ``/v1/health`` reports ``capabilities`` (the new catalog is live)."""
     started = time.perf_counter()
-    with httpx.Client(base_url=daemon.url, timeout=5.0) as client:
-        while time.perf_counter() - started < timeout:
-            if client.get("/v1/health").json().get("capabilities") == capabilities:
-                return time.perf_counter() - started
-            time.sleep(0.05)
-    raise RuntimeError(f"the edit was not live after {timeout} s:\n{daemon.log_tail()}")
+    daemon.wait_health(lambda h: h.get("capabilities") == capabilities, timeout, "showing the edit")
+    return time.perf_counter() - started
 
 
 def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:

@@ -23,8 +23,8 @@ the examples, the corpus and these constants.
 
 **Refits.** Fitting costs five head fits (on a 1,000-capability tap an edit was live after
 66 s with them and 13 s without, ``benchmarks/bench_daemon.py``), and every tap edit or applied
-learned correction changes the examples. The point is a statistic over all of them, so a few changed capabilities barely
-move it: the gates carry over until more than ``AUTO_REFIT_SHARE`` of the capabilities they
+learned correction changes the examples. The point is a statistic over all of them, so a few
+changed capabilities barely move it: the gates carry over until more than ``AUTO_REFIT_SHARE`` of the capabilities they
 were fitted on have changed (added, removed, or other examples), counted from the last fit,
 not from the last edit, and with the same model. A carried-over point is cached for the new
 examples with the fit it came from, so a restart keeps it (``benchmarks/quality/README.md``,
@@ -209,8 +209,8 @@ def auto_gates(examples: Examples, corpus: Sequence[str], embed_corpus: Callable
             return Fit.from_dict(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError, KeyError) as exc:
             log.warning("ignoring unreadable auto gates %s: %s", path, exc)
-    share = None if previous is None or previous.model != model else changed_share(previous.basis, fingerprints)
-    if previous is not None and share is not None and share <= AUTO_REFIT_SHARE:
+    share = 1.0 if previous is None or previous.model != model else changed_share(previous.basis, fingerprints)
+    if previous is not None and share <= AUTO_REFIT_SHARE:
         fit = previous
         log.info("fused auto gates carried over: %.1f%% of the capabilities changed since they were fitted "
                  "(refitted above %g%%)", 100 * share, 100 * AUTO_REFIT_SHARE)

@@ -443,13 +443,19 @@ class Service:
         """The fused rule's head for the index as it now stands (cached in the data directory)."""
         assert self.index is not None and self.embedder is not None and self.encoder is not None
         names, vectors, labels = self.index.examples()
-        key = head_key(self.embedder.model_id, names, [self.index.fingerprint_of(n) or "" for n in names])
+        key = head_key(self.embedder.model_id, names, list(self._fingerprints(names).values()))
         documents = [self.index.triggers(n) for n in names]
         current = self._snapshot.router if self._snapshot is not None else None
         previous = (current.head.tokens if current is not None and current.head is not None
                     and current.encoder.model_id == self.encoder.model_id else None)  # not across a model swap
         return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
                           self.encoder.embed_tokens, previous)
+
+    def _fingerprints(self, names: Sequence[str]) -> dict[str, str]:
+        """Each capability's examples fingerprint in the index (what the head's key and the auto
+        gates' basis are made of), in ``names`` order."""
+        assert self.index is not None
+        return {name: self.index.fingerprint_of(name) or "" for name in names}
 
     def _auto_gates(self, head: FusedHead) -> Point | None:
         """The fused gates fitted on the examples (cached by the head's key), logged when fitted."""
@@ -464,9 +470,8 @@ class Service:
                 self._corpus_embedded = encoder.model_id, encoder.embed_tokens(corpus)
             return self._corpus_embedded[1]
 
-        fingerprints = {name: self.index.fingerprint_of(name) or "" for name in examples.names}
         fit = auto_gates(examples, abstain_corpus(), embed_corpus, head.key, self.settings.data_dir / "heads",
-                         encoder.model_id, fingerprints, self._auto_fit)
+                         encoder.model_id, self._fingerprints(examples.names), self._auto_fit)
         self._auto_fit, point = fit, fit.point
         if point is not None and point != self.auto_gates:
             log.info("fused auto gates: threshold %.2f, margin %.2f (examples out of fold: fired_right %.2f, "
