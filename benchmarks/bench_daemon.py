@@ -14,7 +14,8 @@ For taps of about 60, 1,000 and 10,000 generated capabilities (:mod:`benchmarks.
 - RSS of the daemon after the load; warm start to ready (process spawn to ``/v1/health``
   ready) with the cached data dir, cold start with an empty one (ONNX export + embedding);
 - keeping a rule's fitted state fresh (:func:`rule_upkeep`, 60 and 1,000 capabilities): per rule
-  (``capd``, ``fused``), the first start, two tap edits while running, and a restart;
+  (``capd``, ``fused``), the first start, two tap edits while running, and a restart; and the
+  route latency of one client meanwhile, idle and while the edits are applied;
 - in this process: the bare single-message encode (ONNX and torch), capd's scoring
   (``TriggerIndex.top_capabilities``) and the anchor rule's scoring (mean of the top-3 trigger
   cosines of every capability, brute force in numpy) for the same message vectors.
@@ -78,6 +79,7 @@ class Plan:
     scoring_messages: int = 300
     ready_timeout_s: float = 900.0
     upkeep_sizes: tuple[int, ...] = (60, 1_000)  # rule_upkeep (the fused rule's fitting), not at 10,000
+    probe_seconds: float = 5.0  # rule_upkeep: idle routing before the edits, the baseline for routing during them
 
 
 FULL = Plan()
@@ -431,14 +433,56 @@ def wait_for(daemon: Daemon, capabilities: int, timeout: float) -> float:
     return time.perf_counter() - started
 
 
+class RouteProbe:
+    """One client routing distinct messages back to back in a thread, as an agent's turns would
+    arrive while the daemon is busy with something else. Latencies (ms) of 200 answers in
+    ``samples``; any other status or a transport error counts in ``errors``."""
+
+    def __init__(self, daemon: Daemon, messages: list[str], prefix: str) -> None:
+        self.samples: list[float] = []
+        self.errors = 0
+        self._daemon, self._messages, self._prefix = daemon, messages, prefix
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="route-probe", daemon=True)
+
+    def __enter__(self) -> RouteProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self._daemon.url, timeout=60.0) as client:
+            i = 0
+            while not self._stop.is_set():
+                body = {"session": f"{self._prefix}-{i // 25}", "message": self._messages[i % len(self._messages)]}
+                began = time.perf_counter()
+                try:
+                    ok = client.post("/v1/route", json=body).status_code == 200
+                except httpx.TransportError:
+                    ok = False
+                if ok:
+                    self.samples.append((time.perf_counter() - began) * 1000)
+                else:
+                    self.errors += 1
+                i += 1
+
+
 def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:
     """Per rule (``capd``, ``fused``), on copies of the size's tap and primed data dir (trigger
     vectors cached, nothing fitted): the first start with that rule, two successive tap edits
     (one capability added each; seconds until ``/v1/health`` shows it, the watcher's debounce
     included) and a restart. What ``fused`` adds: its head, the examples' token vectors and
     its auto gates, fitted on the first start and refreshed on each edit (and each applied
-    learned correction, which takes the same path)."""
+    learned correction, which takes the same path).
+
+    One client routes back to back throughout: for ``plan.probe_seconds`` before the edits
+    (idle) and from each edit's write until it is live (while the daemon reloads and refits),
+    so the cost of a refit to the agents being served shows as a latency ratio."""
     tap, data_dir = gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}"
+    messages = gen_tap.messages(1_000, tap_size=size)
     out: dict[str, Any] = {}
     for rule in ("capd", "fused"):
         scratch = Path(tempfile.mkdtemp(prefix=f"capd-upkeep-{size}-{rule}-"))
@@ -449,12 +493,19 @@ def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:
             row: dict[str, Any] = {}
             with running(work_tap, work_data, log_dir, plan.ready_timeout_s, rule=rule) as (daemon, seconds, health):
                 row["first_start_s"] = round(seconds, 2)
-                count, edits = health["capabilities"], []
+                with RouteProbe(daemon, messages, f"idle-{rule}") as idle:
+                    time.sleep(plan.probe_seconds)
+                count, edits, during, errors = health["capabilities"], [], [], idle.errors
                 for edit in range(2):
                     count += 1
-                    add_capability(work_tap, f"bench-edit-{edit}")
-                    edits.append(round(wait_for(daemon, count, plan.ready_timeout_s), 2))
+                    with RouteProbe(daemon, messages, f"busy-{rule}-{edit}") as busy:
+                        add_capability(work_tap, f"bench-edit-{edit}")
+                        edits.append(round(wait_for(daemon, count, plan.ready_timeout_s), 2))
+                    during += busy.samples
+                    errors += busy.errors
                 row["edit_live_s"] = edits
+                row["route_idle"], row["route_during_edits"] = stats(idle.samples), stats(during)
+                row["route_errors"] = errors
             with running(work_tap, work_data, log_dir, plan.ready_timeout_s, rule=rule) as (_, seconds, _):
                 row["restart_s"] = round(seconds, 2)
             out[rule] = row
@@ -623,6 +674,19 @@ def upkeep_lines(result: dict[str, Any]) -> list[str]:
             row = result["by_size"][str(size)]["upkeep"][rule]
             cells.append(f"{row['first_start_s']:.1f} / {', '.join(f'{e:.1f}' for e in row['edit_live_s'])} / "
                          f"{row['restart_s']:.1f}")
+        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    lines += ["", "Routing meanwhile: one client routing back to back, idle before the edits and from each edit's "
+              "write until it is live (ms; errors counted over both).", "",
+              "| rule | " + " | ".join(f"{s:,} caps: p50 idle → during edits | p99 idle → during edits"
+                                        for s in sizes) + " |",
+              "|---|" + "---|---|" * len(sizes)]
+    for rule in ("capd", "fused"):
+        cells = []
+        for size in sizes:
+            row = result["by_size"][str(size)]["upkeep"][rule]
+            idle, busy = row["route_idle"], row["route_during_edits"]
+            cells.append(f"{idle['p50_ms']:.1f} → {busy['p50_ms']:.1f} | {idle['p99_ms']:.1f} → {busy['p99_ms']:.1f}"
+                         + (f" ({row['route_errors']} errors)" if row["route_errors"] else ""))
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 

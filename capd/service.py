@@ -12,13 +12,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from capd.autogates import Fit as AutoFit
 from capd.autogates import auto_gates, examples_of
@@ -283,7 +287,6 @@ class Service:
         report = self.index.sync(examples, self.embedder)
         self.counters.embedded += report.embedded
         self.counters.cached += report.cached
-        head = self._fused_head() if rule == "fused" else None
         refused = self._learned_examples(catalog, "abstain") if rule != "anchor" else {}
         embedder = self.embedder
 
@@ -292,8 +295,10 @@ class Service:
 
         vetoes = Vetoes.build(refused, vectors_of)
         settled = self.settings.threshold is not None and self.settings.margin is not None  # nothing left to fit
-        self.auto_gates = (self._auto_gates(head) if head is not None and self.settings.auto_gates and not settled
-                           else None)
+        with self._fitting_threads():
+            head = self._fused_head() if rule == "fused" else None
+            self.auto_gates = (self._auto_gates(head) if head is not None and self.settings.auto_gates
+                               and not settled else None)
         gates = self._gatebook(catalog, self.auto_gates)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
@@ -301,6 +306,20 @@ class Service:
                         min_chars=self.settings.min_chars, head=head, vetoes=vetoes)
         self._snapshot = Snapshot(catalog, router)
         return report
+
+    def _fitting_threads(self) -> AbstractContextManager[object]:
+        """The thread budget for fitting the fused head and its auto gates: every core on a
+        start; while a served snapshot is being replaced (a tap edit, an applied learned
+        correction, a tuned model), one core fewer (at least one thread), which routing keeps
+        for its encode. On this 2-core machine a two-thread fit beside the routes made them 2x
+        slower at p50 and 20x at p99, while the one-thread fit takes ~30% longer when nothing
+        routes (``benchmarks/bench_daemon.py``, routing during the edits; README, Performance)."""
+        if self._snapshot is None:
+            return nullcontext()
+        spare = max(1, len(os.sched_getaffinity(0)) - 1)
+        pools = {pool["prefix"]: min(pool["num_threads"], spare) for pool in threadpool_info()}
+        limits: AbstractContextManager[object] = threadpool_limits(limits=pools)
+        return limits
 
     # -- tuning (capd/tuning.py) ------------------------------------------------------------
 

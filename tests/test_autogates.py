@@ -4,6 +4,7 @@ precedence. Their effect with the real model is in tests/test_fused.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
@@ -164,3 +165,34 @@ def test_no_auto_gates_over_the_head_budget(settings_factory: SettingsFactory, t
     assert autogates.choose(examples, ["hello there"], HashEncoder().embed_tokens(["hello there"])) is not None
     monkeypatch.setattr("capd.fused.HEAD_BUDGET", len(examples.labels))
     assert autogates.choose(examples, ["hello there"], HashEncoder().embed_tokens(["hello there"])) is None
+
+
+def test_fits_while_serving_leave_a_core_to_routing(settings_factory: SettingsFactory, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start fits with every BLAS thread; a reload that replaces a served snapshot fits the head
+    and the auto gates with one core fewer (at least one), which the routes served meanwhile keep."""
+    from threadpoolctl import threadpool_info
+
+    from capd import fused
+
+    def blas_threads() -> list[int]:
+        return [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+
+    seen: list[list[int]] = []
+    fit = fused.fit_head
+
+    def recording_fit(*args: Any) -> Any:
+        seen.append(blas_threads())
+        return fit(*args)
+
+    monkeypatch.setattr(fused, "fit_head", recording_fit)
+    everyone = blas_threads()
+    tap = _tap(tmp_path / "tap")
+    with closing(Service(settings_factory(taps=(tap,), rule="fused")).start()) as service:
+        at_start, seen[:] = list(seen), []
+        write_capability(tap, "aardvark", ["feed the aardvark", "where is the aardvark", "weigh the aardvark"])
+        service.reload([tap / "capabilities" / "aardvark" / "config.toml"])
+    assert everyone and at_start and all(threads == everyone for threads in at_start)
+    spare = [min(n, max(1, len(os.sched_getaffinity(0)) - 1)) for n in everyone]  # one core left to routing
+    assert len(seen) == 6 and all(threads == spare for threads in seen)  # the head and 5 folds
+    assert blas_threads() == everyone  # restored afterwards

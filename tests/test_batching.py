@@ -72,11 +72,56 @@ def test_batches_are_bounded() -> None:
     requests = [[f"text {i}-{j}" for j in range(3)] for i in range(20)] + [[f"big {j}" for j in range(10)]]
     with MicroBatcher(encoder, max_batch=8) as batcher:
         run_concurrently(batcher, requests)
-        assert batcher.embed([f"huge {j}" for j in range(20)]).shape == (20, 32)  # larger than a batch: alone
-    assert max(len(b) for b in encoder.batches[:-1]) <= 10
-    assert all(len(b) <= 8 for b in encoder.batches if not b[0].startswith(("big", "huge")))
-    assert sorted(t for b in encoder.batches for t in b) == sorted(
-        [t for r in requests for t in r] + [f"huge {j}" for j in range(20)])
+        huge = [f"huge {j}" for j in range(20)]
+        np.testing.assert_array_equal(batcher.embed(huge), HashEncoder(dim=32).embed(huge))
+    assert all(len(b) <= 8 for b in encoder.batches)  # a request larger than a batch is run in chunks
+    assert all(all(t.startswith("big") for t in b) or not any(t.startswith("big") for t in b) for b in encoder.batches)
+    assert sorted(t for b in encoder.batches for t in b) == sorted([t for r in requests for t in r] + huge)
+
+
+def test_bulk_work_yields_to_a_single_request() -> None:
+    """A route that arrives while a reload embeds many texts waits for one chunk, not for all of
+    them; the bulk caller still gets every vector in its own order."""
+    encoder = SlowEncoder(seconds=0.02)
+    texts = [f"example {'x' * (j % 7)} {j}" for j in range(20)]
+    with MicroBatcher(encoder, max_batch=4) as batcher:
+        bulk = batcher.submit(texts)
+        time.sleep(0.005)  # the worker is inside the first chunk (or about to start it)
+        single = batcher.embed(["route this message"])
+        vectors = bulk.result()[0]
+    position = encoder.batches.index(["route this message"])
+    assert position <= 1 < len(encoder.batches) - 1  # ahead of the remaining chunks
+    assert len(encoder.batches) == 6 and all(len(b) <= 4 for b in encoder.batches)
+    np.testing.assert_array_equal(vectors, HashEncoder(dim=32).embed(texts))
+    np.testing.assert_array_equal(single, HashEncoder(dim=32).embed(["route this message"]))
+
+
+def test_bulk_token_vectors_come_back_in_order() -> None:
+    texts = [f"{'long ' * (j % 5)}text number {j}" for j in range(11)]
+    with MicroBatcher(SlowEncoder(seconds=0.0), max_batch=4) as batcher:
+        vectors, tokens = batcher.embed_tokens(texts)
+    want_vectors, want_tokens = HashEncoder(dim=32).embed_tokens(texts)
+    np.testing.assert_array_equal(vectors, want_vectors)
+    assert len(tokens) == len(texts)
+    for got, want in zip(tokens, want_tokens, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_bulk_work_cancelled_or_failed_runs_no_further_chunk() -> None:
+    encoder = SlowEncoder(seconds=0.02, fail_on="bad 5")
+    with MicroBatcher(encoder, max_batch=4) as batcher:
+        blocker = batcher.submit(["keeps the model busy"])
+        time.sleep(0.005)
+        dropped = batcher.submit([f"dropped {j}" for j in range(12)])
+        assert dropped.cancel()  # before its first chunk ran
+        failing = batcher.submit([f"bad {j}" for j in range(12)])  # "bad 5" is in the second chunk
+        blocker.result()
+        with pytest.raises(RuntimeError, match="model exploded"):
+            failing.result()
+        assert batcher.embed(["still works"]).shape == (1, 32)
+    sent = [t for b in encoder.batches for t in b]
+    assert not any(t.startswith("dropped") for t in sent)
+    assert sum(t.startswith("bad") for t in sent) == 8  # the chunk after the failing one never ran
 
 
 def test_a_lone_request_is_not_delayed() -> None:
