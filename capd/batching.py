@@ -6,15 +6,15 @@ worker thread owns the model. Policy:
 - a request that finds the worker idle and nothing recently busy runs at once, alone:
   a lone caller pays only a thread hand-off, never a fixed wait;
 - requests that arrive while the model is busy queue up and go together in the next call
-  (at most ``max_batch`` texts; a larger request runs alone);
+  (at most ``max_batch`` texts);
 - under concurrent load (the previous call carried more than one request) the worker
   waits for more requests, but never past ``max_wait_s`` (2 ms) after the oldest one arrived;
 - a request larger than ``max_batch`` (a reload embedding new examples, the abstain corpus,
   a tuned model re-embedding a tap) is bulk work: it is sorted by length and run as chunks of
-  ``max_batch`` (the batches the encoder would have made of it anyway), and every chunk yields
-  to single requests queued before it starts. A route that arrives during a reload waits for
-  one chunk at most, not for the whole reload's embedding (``benchmarks/bench_daemon.py``,
-  "routing during the edits").
+  ``max_batch`` (the batches the ONNX encoder would have made of it anyway), and single
+  requests queued before a chunk starts go first. A route that arrives during a reload waits
+  for one chunk at most, not for the whole reload's embedding (``benchmarks/bench_daemon.py``,
+  routing during the edits).
 
 A request may also ask for token vectors (:meth:`MicroBatcher.embed_tokens`); a batch holding
 one such request makes the one model call that returns both.

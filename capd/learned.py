@@ -11,7 +11,11 @@ Two corrections are recorded for a capability's tap, each keyed by the routed me
   (:class:`capd.router.Vetoes`): the agent said no to a message like this one. Disabling Y
   later (after another message, e.g. because the work is done) teaches nothing.
 
-A later correction of the same (capability, message) replaces the earlier one. Learned entries:
+A later correction of the same (capability, message) replaces the earlier one. Each capability
+keeps its latest ``learn_max`` corrections of each kind (:data:`MAX_PER_CAPABILITY` by default;
+the oldest go first), so a misbehaving agent that enables the same capability after every turn
+cannot bury its tap's own triggers under thousands of learned ones, nor grow the store and the
+fused head's fit without bound. Learned entries:
 
 - live in the data directory (``learned.sqlite3``), never in the tap;
 - are used by the ``capd`` and ``fused`` rules (never by ``anchor``, which stays the
@@ -44,6 +48,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 WINDOW = 3  # routed turns within which a manual enable counts as a correction
+# Per capability and kind. Taps here have 5-30 triggers per capability: 100 lets corrections
+# outnumber a capability's own triggers several times over, and bounds what one agent can add.
+MAX_PER_CAPABILITY = 100
 MAX_SESSIONS = 10_000  # sessions whose recent turns are remembered (least recently routed forgotten first)
 FILE_NAME = "learned.sqlite3"
 _SCHEMA = """
@@ -83,15 +90,18 @@ class Learned:
 class LearnedStore:
     """Learned examples in SQLite; in memory when ``path`` is None or cannot be written."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, limit: int = MAX_PER_CAPABILITY) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
         self.path = path
+        self.limit = limit  # corrections of one kind kept per capability (the latest)
         self.error: str | None = None
         self._lock = threading.Lock()
         self._conn = self._connect(path)
 
     @classmethod
-    def open(cls, data_dir: Path) -> LearnedStore:
-        return cls(Path(data_dir) / FILE_NAME)
+    def open(cls, data_dir: Path, limit: int = MAX_PER_CAPABILITY) -> LearnedStore:
+        return cls(Path(data_dir) / FILE_NAME, limit)
 
     def _connect(self, path: Path | None) -> sqlite3.Connection:
         if path is not None:
@@ -119,7 +129,8 @@ class LearnedStore:
 
     def record(self, tap: Path | str, capability: str, message: str, previous: str | None = None,
                session: str | None = None, kind: str = "trigger") -> bool:
-        """Store one correction (replacing one of the other kind); False when it was already known."""
+        """Store one correction (replacing one of the other kind), dropping the capability's oldest
+        of that kind beyond :attr:`limit`; False when it was already known."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         try:
@@ -130,7 +141,17 @@ class LearnedStore:
                     "kind = excluded.kind, previous = excluded.previous, session = excluded.session, "
                     "created = excluded.created WHERE learned.kind != excluded.kind",
                     (str(tap), capability, message, previous, session, time.time(), kind))
-                return cursor.rowcount > 0
+                if cursor.rowcount == 0:
+                    return False
+                key = (str(tap), capability, kind)
+                dropped = conn.execute(
+                    "DELETE FROM learned WHERE tap = ? AND capability = ? AND kind = ? AND rowid NOT IN ("
+                    "SELECT rowid FROM learned WHERE tap = ? AND capability = ? AND kind = ? "
+                    "ORDER BY created DESC, rowid DESC LIMIT ?)", (*key, *key, self.limit)).rowcount
+                if dropped:
+                    log.info("learned: %s keeps its latest %d %s corrections (dropped the oldest %d)",
+                             capability, self.limit, kind, dropped)
+                return True
         except sqlite3.Error as exc:
             log.error("cannot record a learned example for %s: %s", capability, exc)
             return False

@@ -166,7 +166,7 @@ class Service:
                 self.registry.on_manual = self._on_manual_enable
                 self.registry.on_disable = self._on_manual_disable
             if self._want_learning:
-                self.learned = LearnedStore.open(self.settings.data_dir)
+                self.learned = LearnedStore.open(self.settings.data_dir, self.settings.learn_max)
             self.reload()
             if self.tuning.enabled:
                 self._ensure_tuned(background=self._want_sessions)

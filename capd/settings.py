@@ -19,6 +19,7 @@ from typing import Any
 import platformdirs
 
 from capd.errors import ConfigError
+from capd.learned import MAX_PER_CAPABILITY
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
 BACKENDS = ("auto", "onnx", "torch")
@@ -84,6 +85,7 @@ class Settings:
     uds: Path | None = None
     log_level: str = "info"
     learn: bool = True  # the daemon learns from corrections (capd/learned.py)
+    learn_max: int = MAX_PER_CAPABILITY  # learned corrections of each kind kept per capability (the latest)
     tune: bool = False  # route with a copy of the model tuned on the taps' examples (capd/tuning.py)
     config_file: Path | None = None
 
@@ -219,6 +221,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "uds": _as_path,
     "log_level": _choice(("debug", "info", "warning", "error")),
     "learn": _as_bool,
+    "learn_max": _positive_int,
     "tune": _as_bool,
 }
 

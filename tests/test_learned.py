@@ -6,6 +6,7 @@ import json
 import sqlite3
 import tomllib
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,9 +16,10 @@ from fastapi.testclient import TestClient
 
 from capd.api import create_app
 from capd.cli import main
+from capd.errors import ConfigError
 from capd.learned import Corrections, LearnedStore
 from capd.service import Service
-from capd.settings import Settings, default_taps
+from capd.settings import Settings, default_taps, load_settings
 from tests.conftest import SettingsFactory, isolated_data_dir
 from tests.taputil import octomind_tap
 
@@ -52,6 +54,32 @@ def test_store_keeps_one_kind_per_message_the_latest(tmp_path: Path) -> None:
     assert (entry.kind, entry.session) == ("trigger", "s3")
     with pytest.raises(ValueError, match="kind"):
         store.record(CORE, "memory", CHATTER, kind="maybe")
+
+
+def test_each_capability_keeps_its_latest_corrections_of_each_kind(tmp_path: Path) -> None:
+    """A stuck agent enabling docker after every turn adds at most ``limit`` docker triggers: the
+    oldest go first; the capability's abstains and other capabilities' entries are untouched."""
+    store = LearnedStore.open(tmp_path, limit=3)
+    store.record(CORE, "docker", CHATTER, "memory", "s", kind="abstain")
+    store.record(CORE, "git", "undo my last save point", "abstain", "s")
+    for i in range(6):
+        assert store.record(CORE, "docker", f"stuck agent turn {i}", "abstain", "s")
+    assert not store.record(CORE, "docker", "stuck agent turn 5", "abstain", "s")  # known: nothing dropped
+    assert store.for_tap(CORE) == {"docker": ("stuck agent turn 3", "stuck agent turn 4", "stuck agent turn 5"),
+                                   "git": ("undo my last save point",)}
+    assert store.for_tap(CORE, "abstain") == {"docker": (CHATTER,)}
+    store.close()
+    assert len(LearnedStore.open(tmp_path, limit=3).entries()) == 5  # durable, as trimmed
+    with pytest.raises(ValueError, match="at least 1"):
+        LearnedStore(None, limit=0)
+
+
+def test_the_daemon_keeps_as_many_corrections_as_learn_max(settings_factory: SettingsFactory) -> None:
+    assert load_settings(env={"CAPD_LEARN_MAX": "7"}).learn_max == 7
+    with pytest.raises(ConfigError, match="learn_max"):
+        load_settings(env={"CAPD_LEARN_MAX": "0"})
+    with closing(Service(settings_factory(taps=(CORE,), learn_max=7), sessions=True).start()) as service:
+        assert service.learned is not None and service.learned.limit == 7
 
 
 def test_a_store_from_before_abstains_opens_with_its_entries_as_triggers(tmp_path: Path) -> None:
