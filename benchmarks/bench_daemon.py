@@ -438,20 +438,23 @@ class RouteProbe:
     arrive while the daemon is busy with something else. Latencies (ms) of 200 answers in
     ``samples``; any other status or a transport error counts in ``errors``."""
 
-    def __init__(self, daemon: Daemon, messages: list[str], prefix: str) -> None:
+    def __init__(self, daemon: Daemon, messages: list[str], prefix: str, enabled: bool = True) -> None:
         self.samples: list[float] = []
         self.errors = 0
+        self.enabled = enabled  # False: no client at all (what an edit costs with nothing routing)
         self._daemon, self._messages, self._prefix = daemon, messages, prefix
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="route-probe", daemon=True)
 
     def __enter__(self) -> RouteProbe:
-        self._thread.start()
+        if self.enabled:
+            self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
-        self._thread.join(60)
+        if self.enabled:
+            self._thread.join(60)
 
     def _run(self) -> None:
         with httpx.Client(base_url=self._daemon.url, timeout=60.0) as client:
@@ -480,7 +483,8 @@ def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:
 
     One client routes back to back throughout: for ``plan.probe_seconds`` before the edits
     (idle) and from each edit's write until it is live (while the daemon reloads and refits),
-    so the cost of a refit to the agents being served shows as a latency ratio."""
+    so the cost of a refit to the agents being served shows as a latency ratio. With
+    ``probe_seconds`` 0 nothing routes (what an edit costs an idle daemon)."""
     tap, data_dir = gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}"
     messages = gen_tap.messages(1_000, tap_size=size)
     out: dict[str, Any] = {}
@@ -493,12 +497,13 @@ def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:
             row: dict[str, Any] = {}
             with running(work_tap, work_data, log_dir, plan.ready_timeout_s, rule=rule) as (daemon, seconds, health):
                 row["first_start_s"] = round(seconds, 2)
-                with RouteProbe(daemon, messages, f"idle-{rule}") as idle:
+                probing = plan.probe_seconds > 0
+                with RouteProbe(daemon, messages, f"idle-{rule}", probing) as idle:
                     time.sleep(plan.probe_seconds)
                 count, edits, during, errors = health["capabilities"], [], [], idle.errors
                 for edit in range(2):
                     count += 1
-                    with RouteProbe(daemon, messages, f"busy-{rule}-{edit}") as busy:
+                    with RouteProbe(daemon, messages, f"busy-{rule}-{edit}", probing) as busy:
                         add_capability(work_tap, f"bench-edit-{edit}")
                         edits.append(round(wait_for(daemon, count, plan.ready_timeout_s), 2))
                     during += busy.samples
@@ -675,6 +680,9 @@ def upkeep_lines(result: dict[str, Any]) -> list[str]:
             cells.append(f"{row['first_start_s']:.1f} / {', '.join(f'{e:.1f}' for e in row['edit_live_s'])} / "
                          f"{row['restart_s']:.1f}")
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    rows = [result["by_size"][str(size)]["upkeep"][rule] for size in sizes for rule in ("capd", "fused")]
+    if not all(row.get("route_idle", {}).get("n") for row in rows):
+        return [*lines, "", "Nothing routed meanwhile (`--probe-seconds 0`).", ""]
     lines += ["", "Routing meanwhile: one client routing back to back, idle before the edits and from each edit's "
               "write until it is live (ms; errors counted over both).", "",
               "| rule | " + " | ".join(f"{s:,} caps: p50 idle → during edits | p99 idle → during edits"
@@ -691,11 +699,40 @@ def upkeep_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def upkeep_only(sizes: list[int], plan: Plan) -> dict[str, Any]:
+    """:func:`rule_upkeep` alone (priming each size's cache first if needed)."""
+    log_dir = Path(tempfile.mkdtemp(prefix="capd-bench-upkeep-"))
+    result: dict[str, Any] = {"command": ".venv/bin/python -m benchmarks.bench_daemon --upkeep "
+                              + ",".join(map(str, sizes)) + f" --probe-seconds {plan.probe_seconds:g}",
+                              "machine": f"{os.cpu_count()} CPUs", "load_before": load_average(),
+                              "sizes": sizes, "by_size": {}}
+    try:
+        for size in sizes:
+            print(f"== {size:,} capabilities", flush=True)
+            prime(size, gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}", log_dir, plan)
+            result["by_size"][str(size)] = {"upkeep": rule_upkeep(size, plan, log_dir)}
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    result["load_after"] = load_average()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "upkeep.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    text = "\n".join([f"# rule upkeep ({result['command']})", "", *upkeep_lines(result)])
+    (RESULTS / "upkeep.md").write_text(text, encoding="utf-8")
+    print(text)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="capd daemon benchmark")
     parser.add_argument("--quick", action="store_true", help="60 and 1,000 capabilities, short loops (~1.5 min)")
+    parser.add_argument("--upkeep", metavar="SIZES", help="only rule_upkeep, on these tap sizes (e.g. 60,1000): "
+                        "benchmarks/results/upkeep.{json,md}")
+    parser.add_argument("--probe-seconds", type=float, default=FULL.probe_seconds,
+                        help="rule_upkeep's idle routing before the edits; 0: no client routes at all")
     args = parser.parse_args(argv if argv is not None else [])
-    plan = QUICK if args.quick else FULL
+    plan = replace(QUICK if args.quick else FULL, probe_seconds=args.probe_seconds)
+    if args.upkeep:
+        return upkeep_only([int(size) for size in args.upkeep.split(",")], plan)
     began = time.perf_counter()
     load_before = load_average()
     log_dir = Path(tempfile.mkdtemp(prefix="capd-bench-daemon-"))
