@@ -14,12 +14,15 @@ transfers badly. Auto gates calibrate on what every tap already has:
   are as close to a capability as its own examples are to each other ("see you tomorrow" for a
   tap with a goodbye capability is no null there).
 
-The chosen point is :func:`capd.calibrate.best_point` over those rows with the corpus null rate
-at most ``AUTO_NULL_RATE`` and the wrong rate at most ``AUTO_MAX_WRONG``. The constants were
-chosen on the fit parts of the shared eval sets and taps/core (``benchmarks/quality/README.md``,
-"Auto gates"); the held-out parts were not used. Precedence: manifest < auto gates < a tap's
-``capd.toml`` < settings. The result is cached in the data directory by the content hash of
-the examples, the corpus and these constants.
+The chosen point is :func:`capd.calibrate.best_point` over those rows with the corpus null rate at
+most ``AUTO_NULL_RATE`` and the wrong rate at most ``AUTO_MAX_WRONG``, on :data:`AUTO_GRID`:
+threshold and margin, no coverage gate. A coverage gate fitted against the generic corpus is tuned
+on chitchat-like nulls and lets task-like ones through (it broke hwu64's null limit on its fit part
+for every candidate that gained); it takes a tap's own nulls, i.e. ``capd calibrate``. The constants
+were chosen on the fit parts of the shared eval sets and taps/core
+(``benchmarks/quality/README.md``, "Auto gates" and "Coverage gate"); the held-out parts were not
+used. Precedence: manifest < auto gates < a tap's ``capd.toml`` < settings. The result is cached in
+the data directory by the content hash of the examples, the corpus and these constants.
 
 **Refits.** Fitting costs five head fits (on a 1,000-capability tap an edit was live after
 66 s with them and 13 s without, ``benchmarks/bench_daemon.py``), and every tap edit or applied
@@ -37,13 +40,13 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from capd import fused
-from capd.calibrate import FUSED_GRID, Point, best_point
+from capd.calibrate import FUSED_GRID, Grid, Point, best_point
 from capd.encoder import Embedded, TokenVectors
 from capd.evaluation import ScoreTable
 from capd.fixtures import Fixture
@@ -56,6 +59,7 @@ AUTO_NULL_RATE = 0.02  # of the corpus messages kept as nulls
 AUTO_MAX_WRONG = 0.03
 CORPUS_LEVEL_CUT = 0.0
 AUTO_REFIT_SHARE = 0.02  # of the capabilities fitted on that may change before the gates are refitted
+AUTO_GRID = replace(FUSED_GRID, coverages=np.zeros(1))  # threshold and margin only (see above)
 VERSION = "auto-2"  # bump when anything above changes the chosen gates or the cache file
 
 
@@ -136,15 +140,15 @@ def _score(head: fused.FusedHead, examples: Examples, rows: np.ndarray, vectors:
     return head.score(knn, vectors, texts, tokens)
 
 
-def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Floats]:
-    """(rows scored, their fused scores ``[n, C]``, their levels ``[n, C]``), each example
-    scored by a head that never saw it."""
+def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Floats, fused.Floats]:
+    """(rows scored, their fused scores ``[n, C]``, their levels ``[n, C]``, their winners'
+    coverage ``[n]``), each example scored by a head that never saw it."""
     labels = examples.labels
     position = np.zeros(len(labels), dtype=np.int64)
     for column in np.unique(labels):
         members = np.flatnonzero(labels == column)
         position[members] = np.arange(len(members))
-    held_rows, fused_rows, level_rows = [], [], []
+    held_rows, fused_rows, level_rows, coverage_rows = [], [], [], []
     head_tokens = examples.head.tokens.matrices() if examples.head.tokens is not None else {}
     for fold in range(AUTO_FOLDS):
         held = position % AUTO_FOLDS == fold
@@ -160,18 +164,23 @@ def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Flo
         held_rows.append(rows)
         fused_rows.append(scores.fused)
         level_rows.append(scores.level)
+        coverage_rows.append(scores.winner_coverage)
     if not held_rows:
         dim = len(examples.names)
-        return np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros((0, dim), np.float32)
-    return np.concatenate(held_rows), np.concatenate(fused_rows), np.concatenate(level_rows)
+        return (np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros((0, dim), np.float32),
+                np.zeros(0, np.float32))
+    return (np.concatenate(held_rows), np.concatenate(fused_rows), np.concatenate(level_rows),
+            np.concatenate(coverage_rows))
 
 
-def choose(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded) -> Point | None:
+def choose(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded,
+           grid: Grid = AUTO_GRID) -> Point | None:
     """The auto gates for these examples (None when no point is feasible, nothing can be held out,
-    or the examples are over the head's budget: the fused rule then has no head to refit)."""
+    or the examples are over the head's budget: the fused rule then has no head to refit).
+    ``grid``: the gates swept (research harnesses pass others)."""
     if len(examples.labels) * len(examples.names) > fused.HEAD_BUDGET:
         return None
-    rows, fused_rows, level_rows = out_of_fold(examples)
+    rows, fused_rows, level_rows, coverage_rows = out_of_fold(examples)
     if not len(rows):
         return None
     everything = np.arange(len(examples.labels))
@@ -186,9 +195,9 @@ def choose(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded)
     expected = np.zeros((len(fixtures), len(names)), dtype=bool)
     expected[np.arange(len(rows)), examples.labels[rows]] = True
     table = ScoreTable(tuple(fixtures), names, np.vstack([fused_rows, null_scores.fused[nulls]]),
-                       np.ones(len(fixtures), dtype=bool), expected, np.vstack([level_rows, null_scores.level[nulls]]))
-    point, _ = best_point({fused.TOP_K: table}, max_null_fpr=AUTO_NULL_RATE, max_wrong=AUTO_MAX_WRONG,
-                          grid=FUSED_GRID)
+                       np.ones(len(fixtures), dtype=bool), expected, np.vstack([level_rows, null_scores.level[nulls]]),
+                       coverage=np.concatenate([coverage_rows, null_scores.winner_coverage[nulls]]))
+    point, _ = best_point({fused.TOP_K: table}, max_null_fpr=AUTO_NULL_RATE, max_wrong=AUTO_MAX_WRONG, grid=grid)
     return point
 
 

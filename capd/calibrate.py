@@ -1,11 +1,19 @@
 """``capd calibrate``: choose gates from fixtures, and say how they hold up on unseen rows.
 
 Every gate parameter the router has is swept: ``top_k`` (1–5), ``threshold`` and
-``margin`` (grids below). Fixtures are split deterministically by a hash of the
-message — ``HELD_OUT_SHARE`` of them are never used for fitting — and the recommended
-point is the one with the most ``fired_right`` on the fitting part whose ``null_fpr`` and
-``fired_wrong`` stay within the limits (ties go to the higher threshold, then the higher
-margin: the more cautious point). The same point is then reported on the held-out part.
+``margin``, and for ``fused`` ``coverage`` (grids below; coverage 0 is no coverage gate).
+Fixtures are split deterministically by a hash of the message — ``HELD_OUT_SHARE`` of them
+are never used for fitting — and the recommended point is the one with the most
+``fired_right`` on the fitting part whose ``null_fpr`` and ``fired_wrong`` stay within the
+limits (ties go to the higher threshold; at one threshold, to the lowest margin and then the
+lowest coverage that reach the same ``fired_right``). The same point is then reported on the
+held-out part.
+
+The sweep counts, for every grid point at once, the rows each gate lets through: a row passes
+every threshold up to its level, every margin up to its gap and every coverage gate up to its
+coverage, so the rows are binned by those three grid positions and summed from the top of each
+axis (exactly what comparing every row with every grid point gives, in O(rows + grid) instead of
+O(rows × grid)).
 
 For the ``capd`` and ``fused`` rules the sweep runs twice: without and with the shipped abstain
 corpus (:func:`capd.router.abstain_corpus`: a winner is vetoed when the message is nearer one
@@ -25,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import tomllib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +52,21 @@ CORPUS_MIN_GAIN = 0.02  # fit fired_right the abstain corpus must add to be kept
 
 @dataclass(frozen=True)
 class Grid:
-    """The gate values swept for one rule (each rule has its own scale)."""
+    """The gate values swept for one rule (each rule has its own scale); ``coverages`` start with
+    0, no coverage gate (the only value for the rules that have none)."""
 
     thresholds: np.ndarray
     margins: np.ndarray
     top_ks: tuple[int, ...]
+    coverages: np.ndarray = field(default_factory=lambda: np.zeros(1))
 
 
 COSINE_GRID = Grid(np.round(np.arange(0.0, 1.0001, 0.01), 2), np.round(np.arange(0.0, 0.3001, 0.005), 3),
                    (1, 2, 3, 4, 5))
-# fused: threshold on level = K - mu_in (about -0.6..0.4 in practice), margin on a log-odds gap
+# fused: threshold on level = K - mu_in (about -0.6..0.4 in practice), margin on a log-odds gap, coverage
+# (a mean of token cosines: 0.2-0.6 for what the gate turns away here, 1.0 for a message made of an example's words)
 FUSED_GRID = Grid(np.round(np.arange(-0.6, 0.4001, 0.01), 2), np.round(np.arange(0.0, 6.0001, 0.05), 2),
-                  (fused.TOP_K,))
+                  (fused.TOP_K,), np.concatenate([[0.0], np.round(np.arange(0.2, 0.9001, 0.01), 2)]))
 
 
 def grid_for(rule: str) -> Grid:
@@ -78,26 +89,46 @@ class Point:
     fired_wrong: float
     null_fpr: float
     abstain_corpus: bool = False
+    coverage: float = 0.0
 
     def as_dict(self) -> dict[str, float | int | bool]:
-        return {"top_k": self.top_k, "threshold": self.threshold, "margin": self.margin,
+        return {"top_k": self.top_k, "threshold": self.threshold, "margin": self.margin, "coverage": self.coverage,
                 "fired_right": self.fired_right, "fired_wrong": self.fired_wrong, "null_fpr": self.null_fpr,
                 "abstain_corpus": self.abstain_corpus}
 
 
+def _passed(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Per row: the index of the last grid step at or below its value (-1: below every step)."""
+    return np.searchsorted(steps, values, side="right") - 1
+
+
 def sweep(table: ScoreTable, grid: Grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """fired_right, fired_wrong, null_fpr for every (threshold, margin): arrays [T, M]."""
+    """fired_right, fired_wrong, null_fpr for every (threshold, margin, coverage): arrays [T, M, V]."""
     winner, top1, gap = table.gate_inputs()
     correct = table.expected[np.arange(len(winner)), winner]
     positive = table.positive
     p, n = max(int(positive.sum()), 1), int((~positive).sum())
     routable = table.routable if table.vetoed is None else table.routable & ~table.vetoed
-    above = (top1[:, None] >= grid.thresholds[None, :]) & routable[:, None]  # [rows, T]
-    wide = gap[:, None] >= grid.margins[None, :]  # [rows, M]
-    fired = above[:, :, None] & wide[:, None, :]  # [rows, T, M]
-    right = np.tensordot((positive & correct).astype(np.float32), fired, axes=1) / p
-    wrong = np.tensordot((positive & ~correct).astype(np.float32), fired, axes=1) / p
-    null = np.tensordot((~positive).astype(np.float32), fired, axes=1) / n if n else np.zeros_like(right)
+    shape = (len(grid.thresholds), len(grid.margins), len(grid.coverages))
+    t, m = _passed(top1, grid.thresholds), _passed(gap, grid.margins)
+    v = np.full(len(winner), shape[2] - 1)  # no coverage (or NaN): every coverage gate passes
+    if table.coverage is not None:
+        known = ~np.isnan(table.coverage)
+        v[known] = _passed(table.coverage[known], grid.coverages)
+    v = np.maximum(v, np.flatnonzero(grid.coverages <= 0).max(initial=-1))  # coverage 0 is no gate
+    fires = routable & (t >= 0) & (m >= 0) & (v >= 0)
+    cell = np.ravel_multi_index((t[fires], m[fires], v[fires]), shape)
+
+    def rate(rows: np.ndarray, total: int) -> np.ndarray:
+        counts = np.bincount(cell, weights=rows[fires].astype(np.float64), minlength=int(np.prod(shape)))
+        counts = counts.reshape(shape)
+        for axis in range(3):  # a row passes every step up to its own on each axis
+            counts = np.flip(np.cumsum(np.flip(counts, axis), axis=axis), axis)
+        return counts / total
+
+    right = rate(positive & correct, p)
+    wrong = rate(positive & ~correct, p)
+    null = rate(~positive, n) if n else np.zeros(shape)
     return right, wrong, null
 
 
@@ -109,7 +140,7 @@ def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: fl
     """The recommended point and the operating curve (best point per threshold) over all top_k.
 
     ``accept(table, fired_right, fired_wrong, null_fpr)`` replaces the limits test with another
-    mask over the grid (the research harness ``benchmarks/quality/calibration_trial.py``)."""
+    mask over the grid, ``[T, M, V]`` (the research harness ``benchmarks/quality/calibration_trial.py``)."""
     best: Point | None = None
     curve: dict[float, Point] = {}
     for top_k, table in tables.items():
@@ -120,12 +151,13 @@ def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: fl
             ok = accept(table, right, wrong, null)
         score = np.where(ok, right, -1.0)
         for t_index, threshold in enumerate(grid.thresholds):
-            m_index = int(np.argmax(score[t_index]))
-            if score[t_index, m_index] < 0:
+            m_index, v_index = np.unravel_index(int(np.argmax(score[t_index])), score.shape[1:])
+            at = (t_index, m_index, v_index)
+            if score[at] < 0:
                 continue
-            point = Point(top_k, float(threshold), float(grid.margins[m_index]),
-                          round(float(right[t_index, m_index]), 4),
-                          round(float(wrong[t_index, m_index]), 4), round(float(null[t_index, m_index]), 4))
+            point = Point(top_k, float(threshold), float(grid.margins[m_index]), round(float(right[at]), 4),
+                          round(float(wrong[at]), 4), round(float(null[at]), 4),
+                          coverage=float(grid.coverages[v_index]))
             current = curve.get(point.threshold)
             if current is None or point.fired_right > current.fired_right:
                 curve[point.threshold] = point
@@ -177,12 +209,13 @@ def fit_gates(variants: Variants, rows: np.ndarray, grid: Grid, max_null_fpr: fl
 
 
 def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float = 0.05,
-              max_wrong: float = 0.03, auto: Point | None = None) -> dict[str, Any]:
+              max_wrong: float = 0.03, auto: Point | None = None, grid: Grid | None = None) -> dict[str, Any]:
     """The recommended gates, their curve and their fit / held-out metrics; with ``auto`` (the
-    fused rule's auto gates, :mod:`capd.autogates`), also what those give on the held-out rows."""
+    fused rule's auto gates, :mod:`capd.autogates`), also what those give on the held-out rows.
+    ``grid`` replaces the rule's grid (ablations: e.g. no coverage axis)."""
     fit_rows, held_rows = split(fixtures)
     vectors, tokens = embed_fixtures(router, fixtures)
-    grid = grid_for(router.rule)
+    grid = grid or grid_for(router.rule)
     variants = score_variants(router, fixtures, vectors, tokens, grid)
     fitted = fit_gates(variants, fit_rows, grid, max_null_fpr, max_wrong)
     point = fitted.point
@@ -198,11 +231,11 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         table = fitted.tables[point.top_k]
         for label, rows in (("fit", fit_rows), ("held_out", held_rows)):
             sub = table.subset(rows)
-            report[label] = metrics(sub, apply_gates(sub, point.threshold, point.margin))
+            report[label] = metrics(sub, apply_gates(sub, point.threshold, point.margin, point.coverage))
     if auto is not None and auto.top_k in variants[False]:
         held = variants[False][auto.top_k].subset(held_rows)
-        report["auto_gates"] = {"gates": auto.as_dict(),
-                                "held_out": metrics(held, apply_gates(held, auto.threshold, auto.margin))}
+        report["auto_gates"] = {"gates": auto.as_dict(), "held_out": metrics(
+            held, apply_gates(held, auto.threshold, auto.margin, auto.coverage))}
     return report
 
 
@@ -226,7 +259,8 @@ def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd"
         cosine, fused_gates = {}, {}
     switch = {"abstain_corpus": True} if point.get("abstain_corpus") else {}
     if rule == "fused":
-        fused_gates = {"threshold": point["threshold"], "margin": point["margin"], **switch}
+        fused_gates = {"threshold": point["threshold"], "margin": point["margin"],
+                       "coverage": point.get("coverage", 0.0), **switch}
     else:
         cosine = {"threshold": point["threshold"], "margin": point["margin"], "top_k": point["top_k"], **switch}
     lines = ["# Written by `capd calibrate --write`. Gates for this tap's capabilities: [gates] for the",

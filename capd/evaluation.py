@@ -31,7 +31,8 @@ class ScoreTable:
 
     ``scores`` rank the capabilities. For the anchor and capd rules the gates read the same
     scores (threshold on top1, margin on top1 − top2); for ``fused`` they read ``levels``
-    (threshold on the winner's level) and the fused scores' gap.
+    (threshold on the winner's level), the fused scores' gap and ``coverage`` (the winner's,
+    for the coverage gate; NaN passes it).
     """
 
     fixtures: tuple[Fixture, ...]
@@ -41,6 +42,7 @@ class ScoreTable:
     expected: np.ndarray  # bool [rows, capabilities]
     levels: np.ndarray | None = None  # [rows, capabilities]: what the threshold reads, when not ``scores``
     vetoed: np.ndarray | None = None  # bool [rows]: a learned abstain vetoes the row's winner (router.Vetoes)
+    coverage: np.ndarray | None = None  # [rows]: the winner's coverage (fused; None: no coverage gate)
 
     @property
     def positive(self) -> np.ndarray:
@@ -66,7 +68,16 @@ class ScoreTable:
     def subset(self, rows: np.ndarray) -> ScoreTable:
         return ScoreTable(tuple(self.fixtures[i] for i in rows), self.names, self.scores[rows], self.routable[rows],
                           self.expected[rows], None if self.levels is None else self.levels[rows],
-                          None if self.vetoed is None else self.vetoed[rows])
+                          None if self.vetoed is None else self.vetoed[rows],
+                          None if self.coverage is None else self.coverage[rows])
+
+    def covered(self, gate: np.ndarray | float) -> np.ndarray:
+        """bool [rows]: the coverage gate (per row, or one value) passes; 0 is no gate, NaN passes."""
+        if self.coverage is None:
+            return np.ones(len(self.routable), dtype=bool)
+        coverage = self.coverage.astype(np.float64)  # as the router compares (see apply_gates)
+        with np.errstate(invalid="ignore"):
+            return np.asarray((gate <= 0) | np.isnan(coverage) | (coverage >= gate))
 
 
 def _texts(router: Router, fixtures: Sequence[Fixture]) -> list[str]:
@@ -90,13 +101,13 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
     without tokens embeds the messages again for them."""
     if vectors is None:
         vectors, tokens = embed_fixtures(router, fixtures)
-    levels = None
+    levels = coverage = None
     if router.rule == "fused":
         texts = _texts(router, fixtures)
         if tokens is None:
             tokens = router.encoder.embed_tokens(texts)[1]
         names, fused_scores = router.fused_scores(vectors, texts, tokens)
-        scores, levels = fused_scores.fused, fused_scores.level
+        scores, levels, coverage = fused_scores.fused, fused_scores.level, fused_scores.winner_coverage
     else:
         names, scores = router.index.named_scores(vectors, top_k or router.top_k)
     position = {n: i for i, n in enumerate(names)}
@@ -112,14 +123,15 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
     if len(router.vetoes) and len(names):
         winners = [names[i] for i in scores.argmax(axis=1).tolist()]
         vetoed = np.array([r is not None for r in router.refusals(vectors, winners)], dtype=bool)
-    return ScoreTable(tuple(fixtures), names, scores, routable, expected, levels, vetoed)
+    return ScoreTable(tuple(fixtures), names, scores, routable, expected, levels, vetoed, coverage)
 
 
-def gate_arrays(router: Router, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-capability threshold and margin (the winner's tap gates apply)."""
+def gate_arrays(router: Router, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-capability threshold, margin and coverage gate (the winner's tap gates apply)."""
     gates = [router._gates_for(n) for n in names]
     return (np.array([g.threshold for g in gates], dtype=np.float32),
-            np.array([g.margin for g in gates], dtype=np.float32))
+            np.array([g.margin for g in gates], dtype=np.float32),
+            np.array([g.coverage for g in gates], dtype=np.float32))
 
 
 @dataclass(frozen=True)
@@ -133,11 +145,19 @@ class Outcome:
     margin: np.ndarray
 
 
-def apply_gates(table: ScoreTable, threshold: np.ndarray | float, margin: np.ndarray | float) -> Outcome:
+def apply_gates(table: ScoreTable, threshold: np.ndarray | float, margin: np.ndarray | float,
+                coverage: np.ndarray | float = 0.0) -> Outcome:
+    """Per-capability arrays (indexed by each row's winner) or one value per gate; ``coverage`` 0: none.
+
+    Compared in float64, as the router compares a message's statistics with its gates (and as
+    ``capd calibrate``'s sweep does): a float32 statistic equal to a gate after rounding is not
+    let through by one and stopped by the other."""
     winner, top1, gap = table.gate_inputs()
+    top1, gap = top1.astype(np.float64), gap.astype(np.float64)
     thr = threshold[winner] if isinstance(threshold, np.ndarray) else threshold
     mar = margin[winner] if isinstance(margin, np.ndarray) else margin
-    fired = table.routable & (top1 >= thr) & (gap >= mar)
+    cov = coverage[winner] if isinstance(coverage, np.ndarray) else coverage
+    fired = table.routable & (top1 >= thr) & (gap >= mar) & table.covered(cov)
     if table.vetoed is not None:
         fired &= ~table.vetoed
     correct = table.expected[np.arange(len(winner)), winner]
@@ -219,16 +239,18 @@ def failing_rows(table: ScoreTable, outcome: Outcome) -> list[dict[str, Any]]:
 
 
 def evaluate(router: Router, fixtures: Sequence[Fixture], threshold: float | None = None,
-             margin: float | None = None) -> tuple[dict[str, Any], ScoreTable, Outcome]:
-    """Metrics of the router on fixtures; threshold / margin override every tap's gates."""
+             margin: float | None = None, coverage: float | None = None) -> tuple[dict[str, Any], ScoreTable, Outcome]:
+    """Metrics of the router on fixtures; threshold / margin / coverage override every tap's gates."""
     table = score_table(router, fixtures)
-    thr, mar = gate_arrays(router, table.names)
-    outcome = apply_gates(table, threshold if threshold is not None else thr, margin if margin is not None else mar)
+    thr, mar, cov = gate_arrays(router, table.names)
+    outcome = apply_gates(table, threshold if threshold is not None else thr, margin if margin is not None else mar,
+                          coverage if coverage is not None else cov)
     result = metrics(table, outcome)
     result.update({
         "rule": router.rule,
         "threshold": threshold if threshold is not None else _uniform(thr),
         "margin": margin if margin is not None else _uniform(mar),
+        "coverage": coverage if coverage is not None else _uniform(cov),
         "top_k": router.top_k,
         "capabilities": len(table.names),
     })

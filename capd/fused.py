@@ -24,7 +24,15 @@ three things (measured one by one in ``benchmarks/quality/README.md``):
    :data:`TOKEN_BUDGET` rows there is no second stage, logged).
 4. **Gates**: ``level = K_w − μ_in[w]`` (how close the message is to the winner compared
    with how close the winner's own examples are to each other) must reach ``threshold``,
-   and ``gap = F_w − F_second`` (a log-odds margin) must reach ``margin``.
+   ``gap = F_w − F_second`` (a log-odds margin) must reach ``margin``, and the winner's
+   ``coverage`` must reach ``coverage`` (0: no coverage gate). Coverage is the mean, over the
+   message's token vectors, of each one's best cosine to any token of the capability's
+   examples: how much of what the message says the capability's examples speak of. A message
+   that matches a capability except for one word it never mentions ("what *takeout* places
+   are near me" against "what pubs are close") keeps a high pooled similarity, and a mean
+   late-interaction score dilutes the word, but its coverage drops. It comes from the
+   similarities the second stage computes anyway (no cost), for the re-scored candidates
+   only; without token vectors it is NaN and the gate passes.
 
 The head costs examples × capabilities logits to fit; above :data:`HEAD_BUDGET` it is not
 fitted and the rule runs on ``K`` and BM25 alone (logged). A fitted head is cached in the
@@ -137,10 +145,15 @@ class Scores:
     level: Floats  # [n, C]: K - mu_in, the threshold statistic of each capability
     winner: npt.NDArray[np.int64]  # [n]
     gap: Floats  # [n]: F_winner - F_second (inf with one capability)
+    coverage: Floats  # [n, C]: the coverage gate's statistic; NaN where not computed (not re-scored)
 
     @property
     def winner_level(self) -> Floats:
         return np.asarray(self.level[np.arange(len(self.winner)), self.winner], dtype=np.float32)
+
+    @property
+    def winner_coverage(self) -> Floats:
+        return np.asarray(self.coverage[np.arange(len(self.winner)), self.winner], dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -177,21 +190,26 @@ class ExampleTokens:
         """Example text → its token vectors (to reuse when the examples change a little)."""
         return {t: self.rows[self.starts[i]:self.starts[i + 1]] for i, t in enumerate(self.texts)}
 
-    def late_interaction(self, message: Floats, columns: Sequence[int], k: int = TOP_K) -> Floats:
-        """``R`` per column: the mean of its top-k examples' MaxSim with the message's tokens."""
-        out = np.full(len(columns), -1.0, dtype=np.float32)
+    def late_interaction(self, message: Floats, columns: Sequence[int], k: int = TOP_K) -> tuple[Floats, Floats]:
+        """Per column: ``R``, the mean of its top-k examples' MaxSim with the message's tokens, and
+        its coverage, the mean over the message's tokens of the best cosine to any of its
+        examples' tokens (NaN without message tokens or examples)."""
+        match = np.full(len(columns), -1.0, dtype=np.float32)
+        coverage = np.full(len(columns), np.nan, dtype=np.float32)
         if not len(message):
-            return out
+            return match, coverage
         for i, column in enumerate(columns):
             a, b = int(self.first[column]), int(self.first[column + 1])
             if a == b:
                 continue
             low = self.starts[a]
             sims = message @ self.rows[low:self.starts[b]].T  # [message tokens, the capability's example tokens]
-            per_example = np.maximum.reduceat(sims, self.starts[a:b] - low, axis=1).mean(axis=0)
+            best = np.maximum.reduceat(sims, self.starts[a:b] - low, axis=1)  # [message tokens, examples]
+            per_example = best.mean(axis=0)
             kk = min(k, b - a)
-            out[i] = float(np.partition(per_example, b - a - kk)[b - a - kk:].mean())
-        return out
+            match[i] = float(np.partition(per_example, b - a - kk)[b - a - kk:].mean())
+            coverage[i] = float(best.max(axis=1).mean())
+        return match, coverage
 
 
 @dataclass(frozen=True)
@@ -220,8 +238,9 @@ class FusedHead:
         if self.lexical_weight:
             fused = fused + (self.lexical_weight / TEMPERATURE) * self.lexicon.scores(texts)
         fused = np.asarray(fused, dtype=np.float32)
-        if tokens is not None and self.tokens is not None and self.rescore_weight and fused.shape[1] > 1:
-            fused = self._rescore(fused, tokens, self.tokens)
+        coverage = np.full(fused.shape, np.nan, dtype=np.float32)
+        if tokens is not None and self.tokens is not None:  # with one capability or β = 0 only coverage changes
+            fused, coverage = self._rescore(fused, tokens, self.tokens)
         n, columns = fused.shape
         winner = fused.argmax(axis=1)
         first = fused[np.arange(n), winner]
@@ -230,16 +249,22 @@ class FusedHead:
         else:
             second = np.full(n, -np.inf, dtype=np.float32)
         return Scores(fused, np.asarray(knn - self.in_class, dtype=np.float32), winner.astype(np.int64),
-                      np.asarray(first - second, dtype=np.float32))
+                      np.asarray(first - second, dtype=np.float32), coverage)
 
-    def _rescore(self, fused: Floats, tokens: TokenVectors, examples: ExampleTokens) -> Floats:
+    def _rescore(self, fused: Floats, tokens: TokenVectors, examples: ExampleTokens) -> tuple[Floats, Floats]:
+        """``F`` after the second stage, and the re-scored candidates' coverage (NaN elsewhere).
+
+        The winner is always a candidate: the best-matching candidate keeps its score, which is
+        at least any other capability's."""
         out = fused.copy()
+        coverage = np.full(fused.shape, np.nan, dtype=np.float32)
         top = min(RESCORE_CANDIDATES, fused.shape[1])
         for row, message in enumerate(tokens):
             candidates = np.argpartition(-fused[row], top - 1)[:top]
-            match = examples.late_interaction(np.asarray(message, dtype=np.float32), candidates.tolist())
+            match, covered = examples.late_interaction(np.asarray(message, dtype=np.float32), candidates.tolist())
             out[row, candidates] += self.rescore_weight * (match - match.max())
-        return out
+            coverage[row, candidates] = covered
+        return out, coverage
 
 
 def in_class_similarity(vectors: Floats, labels: npt.NDArray[np.int64], columns: int, k: int = TOP_K) -> Floats:

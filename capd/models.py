@@ -61,7 +61,7 @@ HASH_MODEL = "hash"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VERIFIED_FILE = "verified-weights.json"
 DEFAULT_GATES: Mapping[str, float] = {"threshold": 0.45, "margin": 0.08, "top_k": 3}
-DEFAULT_FUSED_GATES: Mapping[str, float] = {"threshold": 0.0, "margin": 0.0}  # the fused rule's scale
+DEFAULT_FUSED_GATES: Mapping[str, float] = {"threshold": 0.0, "margin": 0.0, "coverage": 0.0}  # the fused rule's scale
 DEFAULT_NEAR_DUPLICATE = 0.90
 
 
@@ -88,6 +88,7 @@ class ModelManifest:
     path: Path | None = None  # the manifest file, when there is one
     fused_threshold: float = DEFAULT_FUSED_GATES["threshold"]
     fused_margin: float = DEFAULT_FUSED_GATES["margin"]
+    fused_coverage: float = DEFAULT_FUSED_GATES["coverage"]  # 0: no coverage gate
 
     @property
     def gates(self) -> dict[str, float]:
@@ -96,7 +97,8 @@ class ModelManifest:
     def gates_for(self, rule: str) -> dict[str, float]:
         """``[gates]`` for the anchor and capd rules, ``[gates.fused]`` for the fused rule."""
         if rule == "fused":
-            return {"threshold": self.fused_threshold, "margin": self.fused_margin, "top_k": 3}
+            return {"threshold": self.fused_threshold, "margin": self.fused_margin, "top_k": 3,
+                    "coverage": self.fused_coverage}
         return self.gates
 
     def summary(self) -> dict[str, Any]:
@@ -111,7 +113,8 @@ class ModelManifest:
             "query_prefix": self.query_prefix,
             "max_seq_length": self.max_seq_length,
             "backend": self.backend,
-            "gates": {**self.gates, "fused": {"threshold": self.fused_threshold, "margin": self.fused_margin}},
+            "gates": {**self.gates, "fused": {"threshold": self.fused_threshold, "margin": self.fused_margin,
+                                              "coverage": self.fused_coverage}},
             "manifest": str(self.path) if self.path else None,
         }
 
@@ -223,6 +226,7 @@ def load_manifest(path: Path) -> ModelManifest:
         top_k=top_k,
         fused_threshold=float(r.get("gates.fused.threshold", (int, float), DEFAULT_FUSED_GATES["threshold"])),
         fused_margin=float(r.get("gates.fused.margin", (int, float), DEFAULT_FUSED_GATES["margin"])),
+        fused_coverage=float(r.get("gates.fused.coverage", (int, float), DEFAULT_FUSED_GATES["coverage"])),
         near_duplicate=float(r.get("lint.near_duplicate", (int, float), DEFAULT_NEAR_DUPLICATE)),
         description=r.get("description", str, ""),
         path=path,
@@ -298,6 +302,7 @@ def infer_manifest(directory: Path, manifests: Mapping[str, ModelManifest] | Non
         threshold=gates["threshold"], margin=gates["margin"], top_k=int(gates["top_k"]),
         fused_threshold=base.fused_threshold if base else DEFAULT_FUSED_GATES["threshold"],
         fused_margin=base.fused_margin if base else DEFAULT_FUSED_GATES["margin"],
+        fused_coverage=base.fused_coverage if base else DEFAULT_FUSED_GATES["coverage"],
         description=f"local directory {directory} (gates: defaults; run `capd calibrate`)",
     )
 

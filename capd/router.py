@@ -15,13 +15,14 @@ Three rules, selectable by name (``Settings.rule`` / ``--rule``):
     :mod:`capd.fused`: ranks on a light head + soft nearest examples + BM25 over the
     triggers, description, name and learned corrections; ``score`` is the winner's
     mean-top-3 cosine minus its capabilities' in-class similarity (``level``), ``margin``
-    the log-odds gap to the runner-up. Sessions and learned corrections behave as with ``capd``.
+    the log-odds gap to the runner-up, and ``coverage`` how much of the message the winner's
+    examples speak of (a third gate, 0 = off). Sessions and learned corrections behave as with ``capd``.
 
 Gates (threshold, margin, top_k) come from the model manifest, are overridden per tap by
 ``<tap>/capd.toml`` (written by ``capd calibrate``; the gates of the winner's tap apply),
 and are overridden by settings (``--threshold`` / ``CAPD_THRESHOLD`` …) above both.
 ``anchor`` and ``capd`` share one cosine scale and one set of gates (``[gates]``);
-``fused`` has its own (``[gates.fused]``), and always uses k = 3.
+``fused`` has its own (``[gates.fused]``, with ``coverage``), and always uses k = 3.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -58,10 +60,15 @@ class Gates:
     margin: float
     top_k: int = 3
     abstain_corpus: bool = False  # veto with the shipped abstain corpus too (:class:`Vetoes`); not for anchor
+    coverage: float = 0.0  # fused only: the winner's coverage must reach it (0: no coverage gate)
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return {"threshold": self.threshold, "margin": self.margin, "top_k": self.top_k,
-                "abstain_corpus": self.abstain_corpus}
+                "abstain_corpus": self.abstain_corpus, "coverage": self.coverage}
+
+    def covers(self, coverage: float) -> bool:
+        """The coverage gate: off at 0, and a message without token vectors (NaN) passes."""
+        return self.coverage <= 0 or math.isnan(coverage) or coverage >= self.coverage
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,7 @@ class GateBook:
 def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str, float | int | bool | None],
                    model: str | None = None, rule: str = "capd") -> GateBook:
     """Manifest < tap ``capd.toml`` < settings overrides (``threshold``, ``margin``, ``top_k``,
-    ``abstain_corpus``).
+    ``abstain_corpus``, ``coverage``; the last only for ``fused``, the others have no coverage gate).
 
     ``model_gates`` are the manifest's gates for ``rule``; a tap contributes its gates for
     that rule (``abstain_corpus`` too, which ``anchor`` ignores). A tap's gates calibrated for
@@ -102,7 +109,9 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
                         config.path, config.model, model)
 
     def apply(base: Gates, values: Mapping[str, float | int | bool]) -> Gates:
-        known = {k: values[k] for k in ("threshold", "margin") if k in values}
+        known = {k: values[k] for k in ("threshold", "margin", "coverage") if k in values}
+        if rule != "fused":
+            known.pop("coverage", None)
         top_k = int(values["top_k"]) if "top_k" in values else base.top_k
         corpus = bool(values.get("abstain_corpus", base.abstain_corpus)) and rule != "anchor"
         return replace(base, **{k: float(v) for k, v in known.items()}, top_k=top_k, abstain_corpus=corpus)
@@ -418,6 +427,7 @@ class Router:
         candidates = tuple((names[i], float(scores.level[0, i])) for i in order.tolist())
         name = names[int(scores.winner[0])]
         level, gap = float(scores.winner_level[0]), float(scores.gap[0])
+        coverage = float(scores.winner_coverage[0])
         if name in active:
             return Decision("already_active", f"{name} is already active", name, level, gap, candidates)
         gates = self._gates_for(name)
@@ -428,9 +438,14 @@ class Router:
             runner = candidates[1][0] if len(candidates) > 1 else "-"
             return Decision("abstain", f"margin {gap:.2f} between {name} and {runner} below {gates.margin:.2f}",
                             name, level, gap, candidates)
+        if not gates.covers(coverage):
+            return Decision("abstain", f"{name}'s examples cover the message's words {coverage:.2f}, below coverage "
+                            f"{gates.coverage:.2f}: much of what it says is unlike anything they say", name, level,
+                            gap, candidates)
+        covered = f", coverage {coverage:.2f} clears {gates.coverage:.2f}" if gates.coverage > 0 else ""
         return self._vetoed(vector, name, level, gap, candidates) or Decision(
             "activate", f"{name} level {level:.2f} clears threshold {gates.threshold:.2f} and margin "
-            f"{gates.margin:.2f} (margin {gap:.2f})", name, level, gap, candidates)
+            f"{gates.margin:.2f} (margin {gap:.2f}){covered}", name, level, gap, candidates)
 
     def discover(self, intent: str, limit: int = DISCOVER_LIMIT) -> list[tuple[str, float]]:
         """Top ``limit`` capabilities for an intent, no gates (tags stripped, no length gate)."""

@@ -294,7 +294,9 @@ class Service:
             return embedder.embed(texts)[0]
 
         vetoes = Vetoes.build(refused, vectors_of)
-        settled = self.settings.threshold is not None and self.settings.margin is not None  # nothing left to fit
+        # threshold and margin given: no auto gates (a coverage gate alone is not fitted; it comes from the
+        # settings, a tap's capd.toml or the manifest)
+        settled = self.settings.threshold is not None and self.settings.margin is not None
         with self._fitting_threads():
             head = self._fused_head() if rule == "fused" else None
             self.auto_gates = (self._auto_gates(head) if head is not None and self.settings.auto_gates
@@ -493,9 +495,9 @@ class Service:
                          encoder.model_id, self._fingerprints(examples.names), self._auto_fit)
         self._auto_fit, point = fit, fit.point
         if point is not None and point != self.auto_gates:
-            log.info("fused auto gates: threshold %.2f, margin %.2f (examples out of fold: fired_right %.2f, "
-                     "fired_wrong %.2f; abstain corpus fired %.2f)", point.threshold, point.margin,
-                     point.fired_right, point.fired_wrong, point.null_fpr)
+            log.info("fused auto gates: threshold %.2f, margin %.2f, coverage %.2f (examples out of fold: "
+                     "fired_right %.2f, fired_wrong %.2f; abstain corpus fired %.2f)", point.threshold, point.margin,
+                     point.coverage, point.fired_right, point.fired_wrong, point.null_fpr)
         return point
 
     def _learned_examples(self, catalog: Catalog, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
@@ -516,11 +518,13 @@ class Service:
         manifest = manifest_for(self.settings)
         rule = self.settings.rule
         overrides = {"threshold": self.settings.threshold, "margin": self.settings.margin,
-                     "top_k": self.settings.top_k, "abstain_corpus": self.settings.abstain_corpus}
+                     "top_k": self.settings.top_k, "abstain_corpus": self.settings.abstain_corpus,
+                     "coverage": self.settings.coverage}
         gates = manifest.gates_for(rule)
-        model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]))
+        model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]),
+                            coverage=gates.get("coverage", 0.0))
         if auto is not None:
-            model_gates = Gates(auto.threshold, auto.margin, TOP_K)
+            model_gates = Gates(auto.threshold, auto.margin, TOP_K, coverage=auto.coverage)
         return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule)
 
     def _gate_model(self, manifest_name: str) -> str:

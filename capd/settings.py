@@ -76,6 +76,7 @@ class Settings:
     margin: float | None = None
     top_k: int | None = None
     abstain_corpus: bool | None = None  # veto with the shipped abstain corpus (None: each tap's capd.toml says)
+    coverage: float | None = None  # fused: the coverage gate (0: none; None: capd.toml, auto gates or manifest)
     auto_gates: bool = True  # fused: gates fitted on the examples where no tap sets them (capd/autogates.py)
     max_active: int = 4
     min_chars: int = 8
@@ -199,6 +200,14 @@ def _margin(value: object) -> float:
     return number
 
 
+def _coverage(value: object) -> float:
+    """The fused rule's coverage gate: a mean of token cosines (0 turns the gate off)."""
+    number = _as_float(value)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError("must be between 0 and 1 (0 turns the coverage gate off)")
+    return number
+
+
 _CONVERTERS: dict[str, Callable[[object], object]] = {
     "host": _as_str,
     "port": _port,
@@ -212,6 +221,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "margin": _margin,
     "top_k": _positive_int,
     "abstain_corpus": _as_bool,
+    "coverage": _coverage,
     "auto_gates": _as_bool,
     "max_active": _positive_int,
     "min_chars": _as_int,

@@ -344,7 +344,7 @@ def load_tap_config(tap: Path) -> tuple[TapConfig | None, list[Problem]]:
         fused_raw = check.table(gates_raw, "fused") if "fused" in gates_raw else {}
         gates_raw.pop("fused", None)
         gates = _gate_values(check, "gates", gates_raw, GATE_KEYS)
-        fused_gates = _gate_values(check, "gates.fused", fused_raw, ("threshold", "margin"))
+        fused_gates = _gate_values(check, "gates.fused", fused_raw, ("threshold", "margin", "coverage"))
         model = check.optional_str(table, "model")
     except TapFileError as exc:
         return None, [Problem("error", str(exc.path), exc.reason, exc.line, code="invalid")]
@@ -364,6 +364,8 @@ def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any],
             gates[key] = value
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise check.fail(f"{where}.{key}", "must be a number")
+        elif key == "coverage" and not 0.0 <= value <= 1.0:  # a mean of cosines; above 1 nothing would fire
+            raise check.fail(f"{where}.{key}", "must be between 0 and 1 (0 turns the coverage gate off)")
         else:
             gates[key] = float(value)
     return gates

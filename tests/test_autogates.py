@@ -59,10 +59,11 @@ def test_every_example_is_scored_by_a_head_that_never_saw_it(settings_factory: S
     with closing(Service(settings_factory(taps=(_tap(tmp_path / "tap"),), rule="fused")).start()) as service:
         examples = _examples(service)
         monkeypatch.setattr(autogates, "_score", recording)
-        rows, fused_rows, levels = autogates.out_of_fold(examples)
+        rows, fused_rows, levels, coverage = autogates.out_of_fold(examples)
     lonely = examples.names.index("lonely")
     assert sorted(rows.tolist()) == np.flatnonzero(examples.labels != lonely).tolist()  # its only example stays in
     assert fused_rows.shape == levels.shape == (len(rows), len(examples.names))
+    assert coverage.shape == (len(rows),) and not np.isnan(coverage).any()  # every winner was re-scored
     assert len(seen) == autogates.AUTO_FOLDS
     for trained_on, scored in seen:
         assert scored and not trained_on & set(scored)

@@ -91,6 +91,63 @@ def test_best_point_respects_limits() -> None:
     assert all(p.null_fpr == 0.0 and p.fired_wrong == 0.0 for p in curve)
 
 
+def _random_fused_table(rng: np.random.Generator, rows: int = 300) -> ScoreTable:
+    """Random fused-like rows: levels, fused scores with exact ties and a one-column case's inf gap
+    stand-in, coverage with NaN (no token vectors), unroutable and vetoed rows, nulls and lists."""
+    names = ("a", "b", "c", "d")
+    scores = rng.normal(0, 3, (rows, 4)).astype(np.float32)
+    scores[::17, 1] = scores[::17, 0]  # exact ties: gap 0
+    levels = np.round(rng.uniform(-0.7, 0.5, (rows, 4)), 2).astype(np.float32)  # on grid steps, too
+    coverage = np.round(rng.uniform(0.1, 1.0, rows), 3).astype(np.float32)
+    coverage[::11] = np.nan
+    expect = [() if r % 5 == 0 else ((names[r % 4],) if r % 7 else (names[r % 4], names[(r + 1) % 4]))
+              for r in range(rows)]
+    fixtures = tuple(Fixture(f"m{r}", e, "null" if not e else "positive", f"x:{r}") for r, e in enumerate(expect))
+    expected = np.array([[n in e for n in names] for e in expect])
+    return ScoreTable(fixtures, names, scores, rng.uniform(size=rows) > 0.05, expected, levels,
+                      rng.uniform(size=rows) < 0.05, coverage)
+
+
+def test_sweep_counts_exactly_what_applying_each_grid_point_gives() -> None:
+    """The histogram sweep against the definition: apply every (threshold, margin, coverage) of the
+    fused grid to every row and count (with NaN coverage passing, and coverage 0 no gate)."""
+    from capd.calibrate import FUSED_GRID
+
+    table = _random_fused_table(np.random.default_rng(7))
+    right, wrong, null = sweep(table, FUSED_GRID)
+    positive = table.positive
+    for t in range(0, len(FUSED_GRID.thresholds), 7):
+        for m in range(0, len(FUSED_GRID.margins), 9):
+            for v in range(0, len(FUSED_GRID.coverages), 5):
+                outcome = apply_gates(table, float(FUSED_GRID.thresholds[t]), float(FUSED_GRID.margins[m]),
+                                      float(FUSED_GRID.coverages[v]))
+                fired_right = (outcome.fired & outcome.correct & positive).sum() / positive.sum()
+                fired_wrong = (outcome.fired & ~outcome.correct & positive).sum() / positive.sum()
+                null_fpr = (outcome.fired & ~positive).sum() / (~positive).sum()
+                assert (right[t, m, v], wrong[t, m, v], null[t, m, v]) == pytest.approx(
+                    (fired_right, fired_wrong, null_fpr), abs=1e-12), (t, m, v)
+
+
+def test_calibration_picks_a_coverage_gate_when_it_is_what_separates_nulls() -> None:
+    """Nulls as high-level and wide-gap as the positives but poorly covered: only the coverage gate
+    keeps them out, so the recommended point has one; without coverage figures it has none."""
+    from capd.calibrate import FUSED_GRID
+
+    rng = np.random.default_rng(3)
+    table = _random_fused_table(rng, rows=400)
+    positive = table.positive
+    coverage = np.where(positive, rng.uniform(0.6, 1.0, len(positive)), rng.uniform(0.2, 0.5, len(positive)))
+    levels = np.where(positive[:, None], 0.2, 0.2).astype(np.float32) + np.zeros_like(table.levels)
+    gated = replace(table, coverage=coverage.astype(np.float32), levels=levels, vetoed=None,
+                    routable=np.ones(len(positive), dtype=bool))
+    point, _ = best_point({3: gated}, max_null_fpr=0.0, max_wrong=1.0, grid=FUSED_GRID)
+    assert point is not None and 0.5 <= point.coverage <= 0.6 and point.null_fpr == 0.0
+    assert point.fired_right == pytest.approx(float((positive & gated.expected[
+        np.arange(len(positive)), gated.scores.argmax(axis=1)]).sum() / positive.sum()), abs=1e-4)
+    without, _ = best_point({3: replace(gated, coverage=None)}, max_null_fpr=0.0, max_wrong=1.0, grid=FUSED_GRID)
+    assert without is not None and without.coverage == 0.0 and without.fired_right < point.fired_right / 10
+
+
 def test_split_is_deterministic_and_disjoint() -> None:
     fixtures = [Fixture(f"message {i}", ("a",), "positive", f"x:{i}") for i in range(500)]
     fit, held = split(fixtures)

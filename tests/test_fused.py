@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from capd import fused as fused_module
-from capd.calibrate import calibrate, split, write_gates
+from capd.calibrate import FUSED_GRID, calibrate, split, write_gates
 from capd.catalog import Capability
 from capd.encoder import Encoder, HashEncoder, TokenVectors, Vectors
 from capd.evaluation import evaluate, score_table
@@ -72,14 +72,23 @@ def _unit(rng: np.random.Generator, rows: int, dim: int = 8) -> np.ndarray:
 
 
 def test_late_interaction_is_the_mean_of_the_top_k_maxsims_per_capability() -> None:
+    """And each capability's coverage: per message token, the best cosine to any token of any of
+    its examples, averaged over the message's tokens (NaN for a capability without examples)."""
     rng = np.random.default_rng(1)
     matrices = [_unit(rng, n) for n in (3, 1, 4, 2, 5)]
     labels = np.array([0, 0, 0, 2, 2])  # capability 1 has no examples
     tokens = ExampleTokens.build([f"t{i}" for i in range(5)], labels, matrices, 3)
     message = _unit(rng, 4)
     maxsim = [float((message @ m.T).max(axis=1).mean()) for m in matrices]
-    got = tokens.late_interaction(message, [2, 1, 0], k=2)
-    np.testing.assert_allclose(got, [np.mean(maxsim[3:5]), -1.0, np.mean(sorted(maxsim[0:3])[-2:])], atol=2e-3)
+    match, coverage = tokens.late_interaction(message, [2, 1, 0], k=2)
+    np.testing.assert_allclose(match, [np.mean(maxsim[3:5]), -1.0, np.mean(sorted(maxsim[0:3])[-2:])], atol=2e-3)
+    union = [np.vstack(matrices[3:5]), None, np.vstack(matrices[0:3])]
+    assert np.isnan(coverage[1])
+    for i in (0, 2):
+        expected = float((message @ union[i].T).max(axis=1).mean())  # type: ignore[union-attr]
+        assert coverage[i] == pytest.approx(expected, abs=2e-3)
+        assert coverage[i] >= max(maxsim[j] for j in range(5) if labels[j] == (2 - i)) - 2e-3  # union >= any one
+    assert np.isnan(tokens.late_interaction(message[:0], [0])[1]).all()  # no message tokens: no coverage
     with pytest.raises(ValueError, match="grouped"):
         ExampleTokens.build(["a", "b"], np.array([1, 0]), matrices[:2], 2)
 
@@ -195,11 +204,16 @@ def test_each_part_adds_to_top1_on_the_shipped_tap(fused_core: Service, model_se
     assert ablations["nearest examples only"] > baseline
 
 
+NO_COVERAGE = dataclasses.replace(FUSED_GRID, coverages=np.zeros(1))  # calibration without the coverage gate
+
+
 def test_second_stage_fires_more_often_right_on_the_shipped_tap(fused_core: Service,
                                                                  core_fixtures: list[Any]) -> None:
     """Late interaction over token vectors settles near ties that pooled vectors blur. Measured on
-    taps/core, gates calibrated on the fit part (both with the abstain corpus): held-out fired_right
-    0.754 without, 0.815 with."""
+    taps/core with the coverage gate off (it is measured on its own below), gates calibrated on the
+    fit part: held-out fired_right 0.754 without, 0.815 with (abstain corpus on). With the
+    coverage gate on as well, the second stage no longer adds fired_right (benchmarks/quality/README.md,
+    "Coverage gate"); its contribution there is top1, tested above."""
     router = fused_core.router
     head = router.head
     assert head is not None and head.tokens is not None
@@ -208,13 +222,44 @@ def test_second_stage_fires_more_often_right_on_the_shipped_tap(fused_core: Serv
     router.head = dataclasses.replace(head, rescore_weight=0.0)
     try:
         without = router.route(message)
-        held_without = calibrate(router, core_fixtures)["held_out"]
+        held_without = calibrate(router, core_fixtures, grid=NO_COVERAGE)["held_out"]
     finally:
         router.head = head
-    held_with = calibrate(router, core_fixtures)["held_out"]
+    held_with = calibrate(router, core_fixtures, grid=NO_COVERAGE)["held_out"]
     assert with_second.candidates[0][0] == "docker" and without.candidates[0][0] == "shell"
     assert held_with["fired_right"] > held_without["fired_right"]
     assert held_with["null_fpr"] <= held_without["null_fpr"] and held_with["fired_wrong"] <= held_without["fired_wrong"]
+
+
+def test_coverage_gate_fires_more_often_right_on_the_shipped_tap(fused_core: Service,
+                                                                  core_fixtures: list[Any]) -> None:
+    """The coverage gate (the share of the message's words the winner's examples speak of) turns
+    away chitchat, feedback, pasted logs and off-topic asks that level and margin let through.
+    taps/core, calibrated on the fit part with and without the coverage axis: fit fired_right
+    0.822 -> 0.866, held-out 0.815 -> 0.831, null_fpr 0.04 and fired_wrong 0 both ways."""
+    router = fused_core.router
+    with_gate = calibrate(router, core_fixtures)
+    without = calibrate(router, core_fixtures, grid=NO_COVERAGE)
+    assert with_gate["recommended"]["coverage"] > 0 and without["recommended"]["coverage"] == 0
+    assert with_gate["fit"]["fired_right"] >= without["fit"]["fired_right"] + 0.03
+    held_with, held_without = with_gate["held_out"], without["held_out"]
+    assert held_with["fired_right"] >= held_without["fired_right"]
+    assert held_with["null_fpr"] <= held_without["null_fpr"] and held_with["fired_wrong"] <= held_without["fired_wrong"]
+
+
+def test_coverage_gate_abstains_with_a_reason_and_zero_turns_it_off(model_settings: Settings) -> None:
+    """Gates as taps/core calibrates them; the message is a held-out off-topic fixture."""
+    message = "suggest a name for my new kitten"
+    decisions = {}
+    for coverage in (0.4, 0.0):
+        settings = dataclasses.replace(model_settings, taps=default_taps(), rule="fused", threshold=-0.3,
+                                       margin=0.95, coverage=coverage)
+        with closing(Service(settings).start()) as service:
+            decisions[coverage] = service.router.route(message)
+    gated, open_ = decisions[0.4], decisions[0.0]
+    assert gated.decision == "abstain" and "cover the message's words" in gated.reason and "below coverage 0.40" in \
+        gated.reason
+    assert open_.decision == "activate" and open_.capability == gated.capability
 
 
 def test_fused_default_gates_route_and_abstain(fused_core: Service) -> None:
@@ -253,21 +298,24 @@ def test_auto_gates_beat_the_manifest_default_without_seeing_a_fixture(fused_cor
 
 def test_calibrate_fused_and_write_keeps_the_other_rules_gates(fused_core: Service, core_fixtures: list[Any],
                                                                tmp_path: Path) -> None:
-    """Calibration on taps/core keeps the abstain corpus for the fused rule (fit fired_right 0.758
-    without, 0.822 with, at null_fpr 0.045 both), and ``--write`` records that choice."""
+    """Calibration on taps/core picks a coverage gate (fit fired_right 0.866 at null_fpr 0.045);
+    the abstain corpus, which it used to keep (0.758 -> 0.822 without a coverage gate), adds
+    nothing on top, so it is off. ``--write`` records the fused gates, coverage included, next
+    to the other rules' gates, and reads them back."""
     report = calibrate(fused_core.router, core_fixtures)
     point = report["recommended"]
-    assert report["rule"] == "fused" and point["top_k"] == 3
+    assert report["rule"] == "fused" and point["top_k"] == 3 and point["coverage"] > 0
     assert report["fit"]["null_fpr"] <= 0.05 and report["fit"]["fired_wrong"] <= 0.03
     tried = report["abstain_corpus"]
-    assert point["abstain_corpus"] and tried["with"] > tried["without"]
-    assert report["fit"]["fired_right"] == tried["with"]
+    assert not point["abstain_corpus"] and report["fit"]["fired_right"] == tried["without"]
+    assert tried["with"] is None or tried["with"] < tried["without"] + 0.02
     tap = tmp_path / "tap"
     (tap / "capabilities").mkdir(parents=True)
     write_gates(tap, {"threshold": 0.4, "margin": 0.05, "top_k": 2, "abstain_corpus": True}, "all-minilm-l6-v2",
                 "capd")
-    write_gates(tap, point, "all-minilm-l6-v2", "fused")
-    fused_gates = {"threshold": point["threshold"], "margin": point["margin"], "abstain_corpus": True}
+    write_gates(tap, {**point, "abstain_corpus": True}, "all-minilm-l6-v2", "fused")
+    fused_gates = {"threshold": point["threshold"], "margin": point["margin"], "coverage": point["coverage"],
+                   "abstain_corpus": True}
     written = tomllib.loads((tap / "capd.toml").read_text())
     assert written["gates"]["threshold"] == 0.4 and written["gates"]["top_k"] == 2
     assert written["gates"]["abstain_corpus"] is True and written["gates"]["fused"] == fused_gates
@@ -275,7 +323,7 @@ def test_calibrate_fused_and_write_keeps_the_other_rules_gates(fused_core: Servi
     assert not problems and config is not None
     assert config.gates_for("fused") == fused_gates
     assert config.gates_for("capd")["threshold"] == 0.4
-    write_gates(tap, {**point, "abstain_corpus": False}, "all-minilm-l6-v2", "fused")
+    write_gates(tap, point, "all-minilm-l6-v2", "fused")
     assert "abstain_corpus" not in tomllib.loads((tap / "capd.toml").read_text())["gates"]["fused"]
 
 
@@ -309,7 +357,7 @@ def test_the_abstain_corpus_holds_no_near_copy_of_a_shipped_fixture(real_encoder
 
 def test_manifest_carries_fused_gates(model_settings: Settings) -> None:
     manifest = load_manifests(model_settings.models_dir)["all-minilm-l6-v2"]
-    assert manifest.gates_for("fused") == {"threshold": 0.01, "margin": 0.0, "top_k": 3}
+    assert manifest.gates_for("fused") == {"threshold": 0.01, "margin": 0.0, "top_k": 3, "coverage": 0.0}
     assert manifest.gates_for("anchor") == manifest.gates
 
 

@@ -89,6 +89,23 @@ def test_gate_precedence(tmp_path: Path) -> None:
     assert other.for_tap(tap.absolute()) == model  # calibrated for another model: ignored
 
 
+def test_coverage_gate_precedence_and_only_for_fused(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    (tap / "capd.toml").write_text('model = "all-minilm-l6-v2"\n[gates]\nthreshold = 0.6\n'
+                                   '[gates.fused]\nthreshold = -0.2\nmargin = 1.0\ncoverage = 0.41\n')
+    catalog = load_catalog([tap])
+    fused = build_gatebook(Gates(0.01, 0.0, 3, coverage=0.3), catalog, {}, model="all-minilm-l6-v2", rule="fused")
+    assert fused.for_tap(tap.absolute()) == Gates(-0.2, 1.0, 3, coverage=0.41)  # the tap over the auto gates
+    assert fused.default.coverage == 0.3
+    settings = build_gatebook(Gates(0.01, 0.0, 3), catalog, {"coverage": 0.0}, model="all-minilm-l6-v2",
+                              rule="fused")
+    assert settings.for_tap(tap.absolute()).coverage == 0.0  # CAPD_COVERAGE=0 turns it off everywhere
+    cosine = build_gatebook(Gates(0.45, 0.08, 3), catalog, {"coverage": 0.5}, model="all-minilm-l6-v2")
+    assert cosine.for_tap(tap.absolute()).coverage == 0.0 and cosine.default.coverage == 0.0  # no such gate
+    assert Gates(0, 0, coverage=0.4).covers(float("nan")) and not Gates(0, 0, coverage=0.4).covers(0.39)
+    assert Gates(0, 0).covers(0.0)
+
+
 def test_calibrated_tap_gates_change_routing(tmp_path: Path, model_settings: Settings) -> None:
     tap = octomind_tap(tmp_path)
     message = "run some sql against the postgres database"

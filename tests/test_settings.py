@@ -48,6 +48,7 @@ def test_taps_env_uses_pathsep(tmp_path: Path) -> None:
         ("colour = 1\n", "colour", "unknown setting"),
         ("backend = 'gpu'\n", "backend", "must be one of"),
         ("threshold = 3\n", "threshold", "between -1 and 1"),
+        ("coverage = -0.2\n", "coverage", "between 0 and 1"),
         ("port = [\n", None, "invalid TOML"),
     ],
 )
@@ -60,6 +61,13 @@ def test_bad_config_names_file_key_reason(tmp_path: Path, text: str, key: str | 
     assert str(config) in message and reason in message
     if key:
         assert info.value.key == key
+
+
+def test_coverage_gate_from_the_environment() -> None:
+    assert load_settings(env={"CAPD_COVERAGE": "0.42"}).coverage == 0.42
+    assert load_settings(env={}).coverage is None  # each tap's capd.toml, the auto gates or the manifest decide
+    with pytest.raises(ConfigError, match="environment CAPD_COVERAGE: coverage: must be between 0 and 1"):
+        load_settings(env={"CAPD_COVERAGE": "1.5"})
 
 
 def test_bad_env_value_names_variable() -> None:

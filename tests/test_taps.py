@@ -151,6 +151,16 @@ def test_tap_gates_file(tmp_path: Path) -> None:
     (tap / "capd.toml").write_text("[gates]\nthreshold = 0.5\n[gates.fused]\nabstain_corpus = true\n")
     config = load_catalog([tap]).tap_configs[tap.absolute()]
     assert dict(config.gates_for("fused")) == {"abstain_corpus": True} and "abstain_corpus" not in config.gates
+    (tap / "capd.toml").write_text("[gates.fused]\nthreshold = -0.2\ncoverage = 0.41\n")
+    config = load_catalog([tap]).tap_configs[tap.absolute()]
+    assert dict(config.gates_for("fused")) == {"threshold": -0.2, "coverage": 0.41}
+    (tap / "capd.toml").write_text("[gates.fused]\ncoverage = 'most'\n")
+    errors = [p for p in load_catalog([tap]).errors if p.file.endswith("capd.toml")]
+    assert [(p.line, "gates.fused.coverage" in p.reason, "must be a number" in p.reason) for p in errors] == [
+        (2, True, True)]
+    (tap / "capd.toml").write_text("[gates.fused]\nthreshold = -0.2\ncoverage = 1.5\n")
+    errors = [p for p in load_catalog([tap]).errors if p.file.endswith("capd.toml")]
+    assert [(p.line, "between 0 and 1" in p.reason) for p in errors] == [(3, True)]
     (tap / "capd.toml").write_text("[gates]\nthreshold = 0.5\nabstain_corpus = 1\n")
     errors = load_catalog([tap]).errors
     assert [(p.line, "must be true or false" in p.reason) for p in errors if p.file.endswith("capd.toml")] == [

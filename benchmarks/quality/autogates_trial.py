@@ -1,10 +1,13 @@
 """Research harness for the fused rule's auto gates (``capd/autogates.py``): how its two constants were chosen.
 
 Run: ``.venv/bin/python -m benchmarks.quality.autogates_trial [--sets a,b] [--rates 0.02,0.03,0.05]
-[--cuts -0.05,0,0.05,0.1,9]`` (about 4 minutes on 2 cores).
+[--cuts=-0.05,0,0.05,0.1,9] [--wrongs 0.03] [--coverage off,on]`` (about 4 minutes on 2 cores with the
+defaults; each extra value multiplies the candidates).
 
 Per set and candidate (``AUTO_NULL_RATE`` = the abstain-corpus null rate allowed, ``CORPUS_LEVEL_CUT``
-= corpus messages at or above this level at their winner are not nulls; 9 keeps them all): the auto
+= corpus messages at or above this level at their winner are not nulls, 9 keeps them all;
+``AUTO_MAX_WRONG`` = the out-of-fold wrong rate allowed; coverage ``on`` = the grid's coverage axis
+swept, ``off`` = no coverage gate): the auto
 gates fitted on the set's tap (no fixture seen), then measured on the fit part and on the held-out
 part of the fixtures (the split ``capd calibrate`` uses). The candidate shipped is the one with the
 best mean fit-part fired_right whose every set stays within null_fpr <= 0.05 and fired_wrong <= 0.03
@@ -26,6 +29,7 @@ Writes ``benchmarks/results/autogates_trial.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -37,14 +41,14 @@ import numpy as np
 
 from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
 from capd import autogates, fused
-from capd.calibrate import split
+from capd.calibrate import FUSED_GRID, split
 from capd.encoder import open_encoder
 from capd.evaluation import score_table
 from capd.fixtures import load_fixtures
 from capd.router import abstain_corpus
 from capd.settings import Settings
 
-Candidate = tuple[float, float]  # (null rate, level cut)
+Candidate = tuple[float, float, float, str]  # (null rate, level cut, max wrong, coverage axis "on"/"off")
 
 
 def within(values: dict[str, Any]) -> bool:
@@ -86,9 +90,9 @@ def carry_over(examples: autogates.Examples, corpus: list[str], embedded: Any, t
         point = autogates.choose(without(examples, dropped), corpus, embedded)
         out.append({"share": share, "seed": seed, "added_after_fit": count,
                     "gates": None if point is None else point.as_dict(),
-                    **({} if point is None else {part: gated(table, r, point.threshold, point.margin)
+                    **({} if point is None else {part: gated(table, r, point.threshold, point.margin, point.coverage)
                                                  for part, r in rows.items()}),
-                    "refitted": {part: gated(table, r, refitted.threshold, refitted.margin)
+                    "refitted": {part: gated(table, r, refitted.threshold, refitted.margin, refitted.coverage)
                                  for part, r in rows.items()}})
     return out
 
@@ -100,7 +104,7 @@ def carry_line(run: dict[str, Any], refitted: Any) -> str:
     parts = [f"{part} fr {run[part]['fired_right']:.3f} vs {run['refitted'][part]['fired_right']:.3f}, "
              f"null {run[part]['null_fpr']} vs {run['refitted'][part]['null_fpr']}" for part in ("fit", "held_out")]
     return (head + f"gates {run['gates']['threshold']:+.2f} / {run['gates']['margin']:.2f} vs refitted "
-            f"{refitted.threshold:+.2f} / {refitted.margin:.2f}; " + "; ".join(parts))
+            f"{refitted.threshold:+.2f} / {refitted.margin:.2f}; " + "; ".join(parts))  # coverage in the JSON
 
 
 def main(argv: list[str]) -> None:
@@ -108,14 +112,19 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sets", default=",".join(SETS))
     parser.add_argument("--rates", default="0.02,0.03,0.05")
     parser.add_argument("--cuts", default="-0.05,0,0.05,0.1,9")
+    parser.add_argument("--wrongs", default=str(autogates.AUTO_MAX_WRONG), help="AUTO_MAX_WRONG values")
+    parser.add_argument("--coverage", default="off", help="on: sweep the coverage gate too; off: not (shipped)")
     parser.add_argument("--shares", default="0.02,0.05", help="carry-over shares to measure")
     parser.add_argument("--out", type=Path, default=RESULTS / "autogates_trial.json")
     args = parser.parse_args(argv)
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
     rates = [float(r) for r in args.rates.split(",")]
     cuts = [float(c) for c in args.cuts.split(",")]
-    shares = [float(c) for c in args.shares.split(",")]
-    shipped = autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT
+    shares = [float(c) for c in args.shares.split(",") if c.strip()]
+    wrongs = [float(w) for w in args.wrongs.split(",")]
+    axes = {"on": FUSED_GRID, "off": autogates.AUTO_GRID}  # off: what ships
+    coverage_modes = [c for c in args.coverage.split(",") if c in axes]
+    shipped = autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT, autogates.AUTO_MAX_WRONG
     results: dict[str, dict[Candidate, dict[str, Any]]] = {}
     costs: dict[str, dict[str, float]] = {}
     carried: dict[str, list[dict[str, Any]]] = {}
@@ -152,32 +161,35 @@ def main(argv: list[str]) -> None:
                     for run in carried[evalset.name]:
                         print(f"{evalset.name:20s} {carry_line(run, refitted)}", flush=True)
                 per: dict[Candidate, dict[str, Any]] = {}
-                for cut in cuts:
-                    for rate in rates:
-                        autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT = rate, cut
-                        point = autogates.choose(examples, corpus, embedded)
-                        per[rate, cut] = {} if point is None else {
-                            "gates": point.as_dict(),
-                            "fit": gated(table, fit_rows, point.threshold, point.margin),
-                            "held_out": gated(table, held_rows, point.threshold, point.margin)}
-                        line = "no feasible point" if point is None else (
-                            f"gates {point.threshold:+.2f} / {point.margin:.2f}  " + "  ".join(
-                                f"{part} fr {per[rate, cut][part]['fired_right']:.3f} fw "
-                                f"{per[rate, cut][part]['fired_wrong']:.3f} null {per[rate, cut][part]['null_fpr']}"
-                                for part in ("fit", "held_out")))
-                        print(f"{evalset.name:20s} rate={rate:<5g} cut={cut:<5g} {line}", flush=True)
+                for candidate in itertools.product(rates, cuts, wrongs, coverage_modes):
+                    rate, cut, wrong, axis = candidate
+                    autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT, autogates.AUTO_MAX_WRONG = rate, cut, wrong
+                    point = autogates.choose(examples, corpus, embedded, axes[axis])
+                    per[candidate] = {} if point is None else {
+                        "gates": point.as_dict(),
+                        "fit": gated(table, fit_rows, point.threshold, point.margin, point.coverage),
+                        "held_out": gated(table, held_rows, point.threshold, point.margin, point.coverage)}
+                    line = "no feasible point" if point is None else (
+                        f"gates {point.threshold:+.2f} / {point.margin:.2f} / {point.coverage:.2f}  " + "  ".join(
+                            f"{part} fr {per[candidate][part]['fired_right']:.3f} fw "
+                            f"{per[candidate][part]['fired_wrong']:.3f} null {per[candidate][part]['null_fpr']}"
+                            for part in ("fit", "held_out")))
+                    print(f"{evalset.name:20s} rate={rate:<5g} cut={cut:<5g} wrong={wrong:<5g} coverage={axis:<3} "
+                          f"{line}", flush=True)
                 results[evalset.name] = per
             finally:
-                autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT = shipped
+                autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT, autogates.AUTO_MAX_WRONG = shipped
                 service.close()
     best, rankable = choose(results) if results else (None, [])
     print(f"chosen on the fit parts (rankable sets: {', '.join(rankable)}): "
-          + ("none" if best is None else f"rate {best[0]:g}, cut {best[1]:g}")
-          + f"; shipped: rate {shipped[0]:g}, cut {shipped[1]:g}")
+          + ("none" if best is None else f"rate {best[0]:g}, cut {best[1]:g}, wrong {best[2]:g}, coverage {best[3]}")
+          + f"; shipped: rate {shipped[0]:g}, cut {shipped[1]:g}, wrong {shipped[2]:g}")
+    names = ("rate", "cut", "wrong", "coverage")
     report = {"args": vars(args) | {"out": str(args.out)}, "skipped": skipped, "rankable": rankable,
-              "chosen": None if best is None else {"rate": best[0], "cut": best[1]},
-              "shipped": {"rate": shipped[0], "cut": shipped[1]}, "cost_seconds": costs, "carry_over": carried,
-              "results": {s: [{"rate": c[0], "cut": c[1], **r} for c, r in per.items()] for s, per in results.items()}}
+              "chosen": None if best is None else dict(zip(names, best, strict=True)),
+              "shipped": dict(zip(names[:3], shipped, strict=True)), "cost_seconds": costs, "carry_over": carried,
+              "results": {s: [{**dict(zip(names, c, strict=True)), **r} for c, r in per.items()]
+                          for s, per in results.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 

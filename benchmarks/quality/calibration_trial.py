@@ -47,7 +47,8 @@ def wilson_upper(rate: np.ndarray, n: int, z: float = 1.0) -> np.ndarray:
 
 
 def accept(mode: str, table: ScoreTable, right: np.ndarray, wrong: np.ndarray, null: np.ndarray) -> np.ndarray:
-    """The points ``mode`` accepts, [thresholds, margins] (``capd.calibrate.best_point``'s ``accept``)."""
+    """The points ``mode`` accepts, [thresholds, margins, coverages] (``capd.calibrate.best_point``'s ``accept``);
+    ``erode`` erodes along thresholds and margins."""
     nulls, positives = int((~table.positive).sum()), max(int(table.positive.sum()), 1)
     max_null, max_wrong = LIMITS["max_null_fpr"] + 1e-9, LIMITS["max_wrong"] + 1e-9
     if mode == "spare":
@@ -66,15 +67,16 @@ def accept(mode: str, table: ScoreTable, right: np.ndarray, wrong: np.ndarray, n
 
 
 def feasible(table: ScoreTable, grid: Grid, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """(fired_right, mask of the points the mode accepts), both [thresholds, margins]."""
+    """(fired_right, mask of the points the mode accepts), both [thresholds, margins, coverages]."""
     right, wrong, null = sweep(table, grid)
     return right, accept(mode, table, right, wrong, null)
 
 
-def choose(tables: dict[int, ScoreTable], grid: Grid, mode: str) -> tuple[int, float, float, float] | None:
-    """(top_k, threshold, margin, fit fired_right): ``capd calibrate``'s choice among the points the mode accepts."""
+def choose(tables: dict[int, ScoreTable], grid: Grid, mode: str) -> tuple[int, float, float, float, float] | None:
+    """(top_k, threshold, margin, fit fired_right, coverage): ``capd calibrate``'s choice among the
+    points the mode accepts."""
     point, _ = best_point(tables, LIMITS["max_null_fpr"], LIMITS["max_wrong"], grid, partial(accept, mode))
-    return None if point is None else (point.top_k, point.threshold, point.margin, point.fired_right)
+    return None if point is None else (point.top_k, point.threshold, point.margin, point.fired_right, point.coverage)
 
 
 def main(argv: list[str]) -> dict[str, Any]:
@@ -103,7 +105,8 @@ def main(argv: list[str]) -> dict[str, Any]:
                               for k in grid.top_ks}
                     for mode in MODES:
                         point = choose({k: t.subset(fit_rows) for k, t in tables.items()}, grid, mode)
-                        held = None if point is None else gated(tables[point[0]], held_rows, point[1], point[2])
+                        held = None if point is None else gated(tables[point[0]], held_rows, point[1], point[2],
+                                                                    point[4])
                         within = held is not None and (held.get("null_fpr") or 0) <= LIMITS["max_null_fpr"] + 1e-9 \
                             and held["fired_wrong"] <= LIMITS["max_wrong"] + 1e-9
                         report["results"].append({"set": evalset.name, "rule": rule, "mode": mode, "point": point,

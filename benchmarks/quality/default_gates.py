@@ -57,15 +57,16 @@ def main() -> None:
     mean_right = np.mean(np.stack(list(rights.values())), axis=0)
     ok = (worst_null <= args.max_null_fpr + 1e-9) & (worst_wrong <= args.max_wrong + 1e-9)
     score = np.where(ok, mean_right, -1.0)
-    t, m = np.unravel_index(int(np.argmax(score)), score.shape)
-    if score[t, m] < 0:
+    at = np.unravel_index(int(np.argmax(score)), score.shape)  # (threshold, margin, coverage)
+    if score[at] < 0:
         raise SystemExit("no gate point keeps every set within the limits")
     print(json.dumps({
-        "rule": args.rule, "tuned": args.tune, "threshold": float(grid.thresholds[t]), "margin": float(grid.margins[m]),
-        "mean_fit_fired_right": round(float(mean_right[t, m]), 4),
-        "per_set_fit": {n: {"fired_right": round(float(rights[n][t, m]), 4),
-                            "fired_wrong": round(float(wrongs[n][t, m]), 4),
-                            "null_fpr": round(float(nulls[n][t, m]), 4)} for n in rights},
+        "rule": args.rule, "tuned": args.tune, "threshold": float(grid.thresholds[at[0]]),
+        "margin": float(grid.margins[at[1]]), "coverage": float(grid.coverages[at[2]]),
+        "mean_fit_fired_right": round(float(mean_right[at]), 4),
+        "per_set_fit": {n: {"fired_right": round(float(rights[n][at]), 4),
+                            "fired_wrong": round(float(wrongs[n][at]), 4),
+                            "null_fpr": round(float(nulls[n][at]), 4)} for n in rights},
     }, indent=2))
 
 

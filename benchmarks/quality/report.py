@@ -26,7 +26,10 @@ def meets(name: str, value: float | None) -> bool | None:
 
 def gates_text(gates: dict[str, Any], rule: str) -> str:
     text = f"{gates['threshold']:g} / {gates['margin']:g}"
-    text = text if rule.startswith("fused") else f"{text}, k={int(gates['top_k'])}"
+    if not rule.startswith("fused"):
+        text = f"{text}, k={int(gates['top_k'])}"
+    elif gates.get("coverage"):
+        text = f"{text}, coverage {gates['coverage']:g}"
     return f"{text} + abstain corpus" if gates.get("abstain_corpus") else text
 
 
@@ -62,7 +65,8 @@ def summary_lines(result: dict[str, Any], after_rule: str = "fused") -> list[str
 
 def set_lines(name: str, data: dict[str, Any]) -> list[str]:
     lines = [f"### {name}", "", f"{data['rows']} rows; tap `{data['tap']}`. Gates: threshold / margin "
-             "(anchor: cosine, k = top-k; fused: level K − μ_in / log-odds gap).", "",
+             "(anchor: cosine, k = top-k; fused: level K − μ_in / log-odds gap, and the coverage gate when "
+             "calibration turns it on).", "",
              "| row | gates | part | top1 | fired_right | fired_wrong | null_fpr | positives/nulls |",
              "|---|---|---|---|---|---|---|---|"]
     for rule in (r for r in (*RULES, *TUNED) if r in data["rules"]):
@@ -80,6 +84,12 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
             lines.append(row(f"{rule}, calibrated on fit part", g, "fit (tuned on)", r["calibrated"]["fit"]))
         else:
             lines.append(f"| {rule}, calibrated | no gates within the limits on the fit part | | | | | | |")
+        if "calibrated_no_coverage" in r:
+            g = gates_text(r["calibrated_no_coverage"]["gates"], rule)
+            lines.append(row(f"{rule}, calibrated without the coverage gate", g, "held-out",
+                             r["calibrated_no_coverage"]["held_out"]))
+            lines.append(row(f"{rule}, calibrated without the coverage gate", g, "fit (tuned on)",
+                             r["calibrated_no_coverage"]["fit"]))
         if "all_rows" in r:
             lines.append(row(f"{rule}, best within limits on all rows", gates_text(r["all_rows"]["gates"], rule),
                              "all rows (tuned on: ceiling)", r["all_rows"]["all"]))
@@ -244,6 +254,30 @@ def no_fixture_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def coverage_lines(result: dict[str, Any]) -> list[str]:
+    """The coverage gate's contribution: fused calibrated without it → with it (capd calibrate's choice)."""
+    lines = ["`capd calibrate` for the fused rule sweeps a third gate, coverage (`capd/fused.py`: the mean, over "
+             "the message's token vectors, of each one's best cosine to any token of the winner's examples). "
+             "Without → with it, same calibration otherwise; held-out fired_right / fired_wrong / null_fpr, and "
+             "fit fired_right (tuned on).", "",
+             "| set | rule | held-out without | held-out with | coverage chosen | fit fired_right without → with |",
+             "|---|---|---|---|---|---|"]
+    for name, data in result["sets"].items():
+        for rule in ("fused", "fused+tuned"):
+            r = data["rules"].get(rule, {})
+            if "calibrated" not in r or "calibrated_no_coverage" not in r:
+                continue
+            before, after = r["calibrated_no_coverage"], r["calibrated"]
+
+            def cell(v: dict[str, Any]) -> str:
+                return " / ".join(fmt(v[m]) for m in ("fired_right", "fired_wrong", "null_fpr"))
+
+            lines.append(f"| {name} | {rule} | {cell(before['held_out'])} | {cell(after['held_out'])} | "
+                         f"{after['gates'].get('coverage', 0):g} | {fmt(before['fit']['fired_right'])} → "
+                         f"{fmt(after['fit']['fired_right'])} |")
+    return [*lines, ""]
+
+
 def render(result: dict[str, Any], out: Path) -> str:
     lines = [
         "# Routing quality", "",
@@ -263,6 +297,7 @@ def render(result: dict[str, Any], out: Path) -> str:
         f"{GOAL['null_fpr']} and fired_wrong ≤ {GOAL['fired_wrong']}; ✓/✗ mark the *after* value. One held-out "
         "null is 1/n of null_fpr, so small sets move in large steps.", "",
         *summary_lines(result), "",
+        "## The coverage gate: fused calibrated without → with it", "", *coverage_lines(result),
         "## Tuned model: before (anchor, calibrated) → after (fused + tuned, calibrated), held-out", "",
         *tuned_lines(result),
         "## Without fixtures: default gates and auto gates, held-out", "", *no_fixture_lines(result),

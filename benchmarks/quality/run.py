@@ -11,7 +11,8 @@ split ``capd calibrate`` uses (``capd.calibrate.split``: 30% held out by a hash 
 - for ``fused``, the auto gates (``capd/autogates.py``: fitted on the tap's own examples and the
   abstain corpus, no fixture seen), on the held-out and fit parts;
 - gates calibrated on the fit part (``fit_gates``: what ``capd calibrate`` does, with its limits), on the
-  held-out part (the headline) and on the fit part (tuned on);
+  held-out part (the headline) and on the fit part (tuned on); for ``fused`` also calibrated without the
+  coverage gate (the gate's contribution);
 - the best gates within the limits chosen on every row (an optimistic ceiling, tuned on).
 
 Then: a simulated feedback loop (route the fit part in sessions, enable the expected
@@ -109,6 +110,7 @@ class Bench:
     services: int = 0
     timed: int = TIMED_MESSAGES
     tuned_root: Path | None = None  # where tuned models persist between runs (None: in scratch)
+    model: str | None = None  # another model than the manifest default (--model)
 
     def service(self, tap: Path, rule: str, sessions: bool = False, gates: Point | None = None,
                 tuned_as: str | None = None) -> Service:
@@ -129,6 +131,7 @@ class Bench:
         elif sessions and (self.scratch / "shared" / "heads").is_dir():  # fitted heads are keyed by content
             shutil.copytree(self.scratch / "shared" / "heads", data_dir / "heads")
         settings = Settings(taps=(tap,), rule=rule, data_dir=data_dir, threshold=gates.threshold if gates else None,
+                            **({"model": self.model} if self.model else {}),
                             margin=gates.margin if gates else None,
                             abstain_corpus=gates.abstain_corpus if gates else None, tune=tuned_as is not None)
         return Service(settings, encoder=self.encoder, sessions=sessions).start()
@@ -156,15 +159,16 @@ class Bench:
         return [self.token_memo[model, clean_message(f.message, router.min_chars)[0]] for f in fixtures]
 
 
-def gated(table: ScoreTable, rows: np.ndarray | None, threshold: float, margin: float) -> dict[str, Any]:
+def gated(table: ScoreTable, rows: np.ndarray | None, threshold: float, margin: float,
+          coverage: float = 0.0) -> dict[str, Any]:
     sub = table if rows is None else table.subset(rows)
-    return metrics(sub, apply_gates(sub, threshold, margin))
+    return metrics(sub, apply_gates(sub, threshold, margin, coverage))
 
 
-def manifest_info() -> dict[str, Any]:
+def manifest_info(model: str | None = None) -> dict[str, Any]:
     """The model manifest's default gates per rule (what a tap without ``capd.toml`` gets), and the
     manifest's own comment on how the fused defaults were chosen."""
-    manifest = manifest_for(Settings(taps=()))
+    manifest = manifest_for(Settings(taps=(), **({"model": model} if model else {})))
     note: list[str] = []
     if manifest.path is not None and manifest.path.is_file():
         lines = manifest.path.read_text(encoding="utf-8").splitlines()
@@ -188,23 +192,35 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
     out: dict[str, Any] = {
         "capabilities": len(router.catalog), "examples": router.index.trigger_count,
         "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows,
-                                                        default["threshold"], default["margin"])},
+                                                        default["threshold"], default["margin"],
+                                                        default.get("coverage", 0.0))},
     }
     if (auto := service.auto_gates) is not None:  # fused: fitted on the tap's examples, no fixture seen
         table = tables[auto.top_k]
-        out["auto"] = {"gates": auto.as_dict(), "held_out": gated(table, held_rows, auto.threshold, auto.margin),
-                       "fit": gated(table, fit_rows, auto.threshold, auto.margin)}
+        out["auto"] = {"gates": auto.as_dict(), "held_out": gated(table, held_rows, auto.threshold, auto.margin,
+                                                                       auto.coverage),
+                       "fit": gated(table, fit_rows, auto.threshold, auto.margin, auto.coverage)}
     fitted = fit_gates(variants, fit_rows, grid=grid, **LIMITS)  # what `capd calibrate` does
     out["abstain_corpus"] = fitted.corpus
     if (calibrated := fitted.point) is not None:
         table = fitted.tables[calibrated.top_k]
         out["calibrated"] = {"gates": calibrated.as_dict(),
-                             "held_out": gated(table, held_rows, calibrated.threshold, calibrated.margin),
-                             "fit": gated(table, fit_rows, calibrated.threshold, calibrated.margin)}
+                             "held_out": gated(table, held_rows, calibrated.threshold, calibrated.margin,
+                                               calibrated.coverage),
+                             "fit": gated(table, fit_rows, calibrated.threshold, calibrated.margin,
+                                          calibrated.coverage)}
+    if router.rule == "fused":  # the coverage gate's contribution: the same calibration without its axis
+        plain = fit_gates(variants, fit_rows, grid=dataclasses.replace(grid, coverages=np.zeros(1)), **LIMITS)
+        if (point := plain.point) is not None:
+            table = plain.tables[point.top_k]
+            out["calibrated_no_coverage"] = {"gates": point.as_dict(),
+                                             "held_out": gated(table, held_rows, point.threshold, point.margin),
+                                             "fit": gated(table, fit_rows, point.threshold, point.margin)}
     everything = fit_gates(variants, np.arange(len(fixtures)), grid=grid, **LIMITS)
     if (ceiling := everything.point) is not None:
         out["all_rows"] = {"gates": ceiling.as_dict(),
-                           "all": gated(everything.tables[ceiling.top_k], None, ceiling.threshold, ceiling.margin)}
+                           "all": gated(everything.tables[ceiling.top_k], None, ceiling.threshold, ceiling.margin,
+                                        ceiling.coverage)}
     return out
 
 
@@ -277,20 +293,21 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
         vectors = bench.vectors(service, fixtures) if vectors is None else vectors
         tokens = bench.tokens(service, fixtures)
         out["before"] = gated(score_table(service.router, fixtures, vectors=vectors, tokens=tokens),
-                              held_rows, gates.threshold, gates.margin)
+                              held_rows, gates.threshold, gates.margin, gates.coverage)
         out.update(correct(service, fixtures, fit_rows))
         triggers_only = copy.copy(service.router)
         triggers_only.vetoes = dataclasses.replace(service.router.vetoes, texts={}, vectors={})  # corpus kept
         for key, router in (("after_triggers_only", triggers_only), ("after_same_gates", service.router)):
             table = score_table(router, fixtures, vectors=vectors, tokens=tokens)
-            out[key] = gated(table, held_rows, gates.threshold, gates.margin)
+            out[key] = gated(table, held_rows, gates.threshold, gates.margin, gates.coverage)
     with loop_service(bench, evalset, gates, tuned) as service:
         out["refit_traffic"] = correct(service, fixtures, fit_rows[0::2])
         refit = fit_gates(score_variants(service.router, fixtures, vectors, bench.tokens(service, fixtures), grid),
                           fit_rows[1::2], grid=grid, **LIMITS)
         if (point := refit.point) is not None:
             out["refit_gates"] = point.as_dict()
-            out["after_refit"] = gated(refit.tables[point.top_k], held_rows, point.threshold, point.margin)
+            out["after_refit"] = gated(refit.tables[point.top_k], held_rows, point.threshold, point.margin,
+                                       point.coverage)
     return out
 
 
@@ -350,27 +367,32 @@ def tuning_summary(service: Service) -> dict[str, Any]:
 
 
 def measure(names: Sequence[str], evalsets: Path, feedback_sets: Sequence[str], encoder: Encoder | None = None,
-            scratch: Path | None = None, timed: int = TIMED_MESSAGES, tune: bool = True) -> dict[str, Any]:
+            scratch: Path | None = None, timed: int = TIMED_MESSAGES, tune: bool = True,
+            model: str | None = None) -> dict[str, Any]:
     """Everything the report shows, as a JSON-ready dict. Tests pass an ``encoder`` to reuse, a
     ``scratch`` directory to keep (else a temporary one is removed), fewer ``timed`` messages,
-    and ``tune=False`` to leave out the tuned model (minutes of training per set)."""
+    and ``tune=False`` to leave out the tuned model (minutes of training per set). ``model``: a
+    manifest name or a sentence-transformers directory instead of the default model (its own
+    data directory under the cache, so vectors and exports never mix)."""
     began = time.perf_counter()
     found, skipped = find_sets(names, evalsets)
     learning = hasattr(Service, "apply_learned")
     result: dict[str, Any] = {
-        "command": ".venv/bin/python -m benchmarks.quality.run", "generated": datetime.now(UTC).isoformat(
+        "command": ".venv/bin/python -m benchmarks.quality.run" + (f" --model {model}" if model else ""),
+        "generated": datetime.now(UTC).isoformat(
             timespec="seconds"), "machine": f"{os.cpu_count()} CPUs",
         "load_before": [round(x, 2) for x in os.getloadavg()], "limits": LIMITS, "goal": GOAL,
         "evalsets": str(evalsets), "skipped": skipped, "learning_available": learning, "sets": {},
     }
+    cache = CACHE if model is None else CACHE / "models" / Path(model).name
     if encoder is None:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
+        cache.mkdir(parents=True, exist_ok=True)
+        encoder = open_encoder(Settings(data_dir=cache, taps=(), **({"model": model} if model else {})))
     result["model"] = encoder.model_id
-    result["manifest"] = manifest_info()
+    result["manifest"] = manifest_info(model)
     with tempfile.TemporaryDirectory(prefix="capd-quality-") as temporary:
         bench = Bench(encoder, scratch or Path(temporary), result["manifest"]["gates"], timed=timed,
-                      tuned_root=None if scratch else CACHE / "tuned")
+                      tuned_root=None if scratch else cache / "tuned", model=model)
         for evalset in found:
             print(f"== {evalset.name}", flush=True)
             started = time.perf_counter()
@@ -394,13 +416,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-tune", action="store_true",
                         help="leave out the tuned model (tuning takes 0.2-4 minutes per set, once: it is cached "
                              "in benchmarks/.cache/quality/tuned)")
+    parser.add_argument("--model", default=None,
+                        help="another model: a manifest name or a sentence-transformers directory (a comparison; "
+                             "the headline is the bundled model)")
     args = parser.parse_args(argv if argv is not None else [])
     names = [s.strip() for s in args.sets.split(",") if s.strip()]
     unknown = [n for n in names if n not in SETS]
     if unknown:
         parser.error(f"unknown set(s) {', '.join(unknown)}; choose from {', '.join(SETS)}")
     result = measure(names, args.evalsets, [s.strip() for s in args.feedback_sets.split(",") if s.strip()],
-                     tune=not args.no_tune)
+                     tune=not args.no_tune, model=args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     from benchmarks.quality.report import render  # the report module reads this one's constants

@@ -110,12 +110,14 @@ def _eval_options(func: Any) -> Any:
 @_eval_options
 @click.option("--threshold", type=float, default=None, help="Override every tap's threshold.")
 @click.option("--margin", type=float, default=None, help="Override every tap's margin.")
+@click.option("--coverage", type=float, default=None,
+              help="Override every tap's coverage gate (fused rule; 0 turns it off).")
 @click.option("--html", "html", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write a self-contained HTML report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
           backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, threshold: float | None,
-          margin: float | None, html: Path | None, as_json: bool) -> None:
+          margin: float | None, coverage: float | None, html: Path | None, as_json: bool) -> None:
     """Routing metrics of taps on fixtures: top1, fired_right, fired_wrong, null_fpr, per kind.
 
     Example: capd eval --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --json
@@ -127,7 +129,7 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
     check_names(fixtures, service.catalog_now().capabilities)
-    result, table, outcome = evaluate(service.router, fixtures, threshold, margin)
+    result, table, outcome = evaluate(service.router, fixtures, threshold, margin, coverage)
     if html is not None:
         from capd.report_html import render
 
@@ -137,7 +139,8 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
         emit_json(result)
         return
     click.echo(f"{result['n']} rows ({result['positives']} positives, {result['nulls']} nulls), "
-               f"rule {result['rule']}, threshold {_fmt(result['threshold'])}, margin {_fmt(result['margin'])}")
+               f"rule {result['rule']}, threshold {_fmt(result['threshold'])}, margin {_fmt(result['margin'])}"
+               + (f", coverage {_fmt(result['coverage'])}" if result["rule"] == "fused" else ""))
     for key in ("top1", "fired_right", "fired_wrong", "null_fpr"):
         click.echo(f"  {key:<12}{_fmt(result[key])}")
     click.echo("per kind:")
@@ -237,15 +240,17 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
         click.echo(f"fit on {report['rows']['fit']} rows, checked on {report['rows']['held_out']} held-out rows; "
                    f"limits null_fpr <= {max_null_fpr}, fired_wrong <= {max_wrong}")
         click.echo("operating curve (best point per threshold):")
-        click.echo("  top_k threshold margin  fired_right fired_wrong null_fpr")
+        click.echo("  top_k threshold margin coverage fired_right fired_wrong null_fpr")
         for p in report["curve"][:: max(1, len(report["curve"]) // 15)]:
-            click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f} {p['fired_right']:>11.3f} "
-                       f"{p['fired_wrong']:>11.3f} {p['null_fpr']:>8.3f}")
+            click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f} {p['coverage']:>8.2f} "
+                       f"{p['fired_right']:>11.3f} {p['fired_wrong']:>11.3f} {p['null_fpr']:>8.3f}")
         if point is None:
             click.echo("no gate setting meets the limits")
         else:
+            coverage = f", coverage {point['coverage']:.2f}" if report["rule"] == "fused" else ""
             click.echo(f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, "
-                       f"margin {point['margin']:.3f}, abstain corpus {'on' if point['abstain_corpus'] else 'off'}")
+                       f"margin {point['margin']:.3f}{coverage}, "
+                       f"abstain corpus {'on' if point['abstain_corpus'] else 'off'}")
             tried = report["abstain_corpus"]
             if report["rule"] != "anchor":  # the anchor's rule has no vetoes
                 click.echo(f"  fit fired_right without the abstain corpus {_fmt(tried['without'])}, "
@@ -256,7 +261,8 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
                            f"  null_fpr {_fmt(m['null_fpr'])}  top1 {_fmt(m['top1'])}")
             if "auto_gates" in report:  # what the tap gets without these gates (fused: capd/autogates.py)
                 auto, m = report["auto_gates"]["gates"], report["auto_gates"]["held_out"]
-                click.echo(f"  without calibration (auto gates {auto['threshold']:.2f} / {auto['margin']:.3f}), "
+                click.echo(f"  without calibration (auto gates {auto['threshold']:.2f} / {auto['margin']:.3f} / "
+                           f"coverage {auto['coverage']:.2f}), "
                            f"held_out fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}  "
                            f"null_fpr {_fmt(m['null_fpr'])}")
             for path in report.get("written", []):
