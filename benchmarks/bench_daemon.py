@@ -365,10 +365,10 @@ def prime(size: int, tap: Path, data_dir: Path, log_dir: Path, plan: Plan) -> tu
     return record, True
 
 
-def cold_start(tap: Path, log_dir: Path, plan: Plan) -> dict[str, Any]:
+def cold_start(tap: Path, log_dir: Path, plan: Plan, rule: str = "capd") -> dict[str, Any]:
     data_dir = Path(tempfile.mkdtemp(prefix="capd-cold-"))
     try:
-        with running(tap, data_dir, log_dir, plan.ready_timeout_s) as (_, seconds, health):
+        with running(tap, data_dir, log_dir, plan.ready_timeout_s, rule=rule) as (_, seconds, health):
             return {"seconds": round(seconds, 2), "embedded": health["embedded"], "measured": "this run"}
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -479,7 +479,8 @@ def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:
     (one capability added each; seconds until ``/v1/health`` shows it, the watcher's debounce
     included) and a restart. What ``fused`` adds: its head, the examples' token vectors and
     its auto gates, fitted on the first start and refreshed on each edit (and each applied
-    learned correction, which takes the same path).
+    learned correction, which takes the same path). For ``fused`` also a cold start (empty data
+    dir: ONNX export, every example embedded with its token vectors, the fits).
 
     One client routes back to back throughout: for ``plan.probe_seconds`` before the edits
     (idle) and from each edit's write until it is live (while the daemon reloads and refits),
@@ -513,6 +514,8 @@ def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:
                 row["route_errors"] = errors
             with running(work_tap, work_data, log_dir, plan.ready_timeout_s, rule=rule) as (_, seconds, _):
                 row["restart_s"] = round(seconds, 2)
+            if rule == "fused":
+                row["cold_start_s"] = cold_start(tap, log_dir, plan, rule)["seconds"]
             out[rule] = row
             print(f"   {rule}: {row}", flush=True)
         finally:
@@ -680,6 +683,10 @@ def upkeep_lines(result: dict[str, Any]) -> list[str]:
             cells.append(f"{row['first_start_s']:.1f} / {', '.join(f'{e:.1f}' for e in row['edit_live_s'])} / "
                          f"{row['restart_s']:.1f}")
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    cold = [(s, result["by_size"][str(s)]["upkeep"]["fused"].get("cold_start_s")) for s in sizes]
+    if all(seconds is not None for _, seconds in cold):
+        lines += ["", "`fused` from an empty data dir (ONNX export, every example embedded once with its token "
+                  "vectors, the fits): " + ", ".join(f"{s:,} caps {seconds:.1f} s" for s, seconds in cold) + "."]
     rows = [result["by_size"][str(size)]["upkeep"][rule] for size in sizes for rule in ("capd", "fused")]
     if not all(row.get("route_idle", {}).get("n") for row in rows):
         return [*lines, "", "Nothing routed meanwhile (`--probe-seconds 0`).", ""]

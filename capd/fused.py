@@ -46,7 +46,7 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -321,13 +321,16 @@ def head_key(model_id: str, names: Sequence[str], fingerprints: Sequence[str]) -
 def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors: Floats,
                labels: npt.NDArray[np.int64], key: str, cache_dir: Path | None,
                embed_tokens: EmbedTokens | None = None,
-               previous: ExampleTokens | None = None) -> FusedHead:
+               previous: ExampleTokens | None = None,
+               fresh: Mapping[str, Floats] | None = None) -> FusedHead:
     """Fit (or load from ``cache_dir``) the head for these examples; ``documents`` feed BM25
     and, flattened, are the examples' texts (in ``vectors`` order).
 
     A learned correction is an example like any trigger (an extra weight for them measured no
     better: ``benchmarks/quality/README.md``). ``embed_tokens`` gives texts' token vectors
-    for the second stage (None: no second stage); texts already in ``previous`` are reused.
+    for the second stage (None: no second stage); texts already in ``previous`` or ``fresh``
+    (token vectors kept as the index embedded them: :meth:`capd.vectorcache.CachedEmbedder.keeping_tokens`)
+    are not embedded again.
     """
     columns = len(names)
     weight: Floats | None = None
@@ -361,7 +364,7 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
                         "ranking on nearest examples and BM25 only", len(vectors), columns, HEAD_BUDGET)
     fresh_tokens = embed_tokens is not None and tokens is None and not over_budget and len(texts) == len(labels)
     if embed_tokens is not None and fresh_tokens:
-        tokens = _example_tokens(texts, labels, columns, embed_tokens, previous)
+        tokens = _example_tokens(texts, labels, columns, embed_tokens, previous, fresh)
         over_budget = tokens is None
     assert in_class is not None
     if path is not None and (stale or fresh_tokens):
@@ -370,10 +373,12 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
 
 
 def _example_tokens(texts: Sequence[str], labels: Ints, columns: int, embed_tokens: EmbedTokens,
-                    previous: ExampleTokens | None) -> ExampleTokens | None:
-    """The examples' token vectors (reusing ``previous``'s), or None over :data:`TOKEN_BUDGET`."""
+                    previous: ExampleTokens | None,
+                    fresh: Mapping[str, Floats] | None = None) -> ExampleTokens | None:
+    """The examples' token vectors (reusing ``previous``'s and ``fresh``), or None over :data:`TOKEN_BUDGET`."""
     wanted = dict.fromkeys(texts)
     known = {t: m for t, m in previous.matrices().items() if t in wanted} if previous is not None else {}
+    known.update((t, m) for t, m in (fresh or {}).items() if t in wanted)
     missing = [t for t in wanted if t not in known]
     for start in range(0, len(missing), 256):  # in chunks, to stop early on a huge tap
         if sum(len(m) for m in known.values()) > TOKEN_BUDGET:

@@ -16,7 +16,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +31,7 @@ from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Embedded, Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import StateError, UnknownCapability
-from capd.fused import TOP_K, FusedHead, build_head, head_key
+from capd.fused import TOKEN_BUDGET, TOP_K, FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import KINDS, Corrections, LearnedStore
 from capd.metrics import Metrics
@@ -284,7 +284,8 @@ class Service:
         assert self.embedder is not None and self.index is not None and self.encoder is not None
         rule = self.settings.rule
         examples = example_catalog(catalog, rule, self._learned_examples(catalog))
-        report = self.index.sync(examples, self.embedder)
+        with self.embedder.keeping_tokens(TOKEN_BUDGET if rule == "fused" else 0) as fresh:  # one pass for both
+            report = self.index.sync(examples, self.embedder)
         self.counters.embedded += report.embedded
         self.counters.cached += report.cached
         refused = self._learned_examples(catalog, "abstain") if rule != "anchor" else {}
@@ -298,7 +299,7 @@ class Service:
         # settings, a tap's capd.toml or the manifest)
         settled = self.settings.threshold is not None and self.settings.margin is not None
         with self._fitting_threads():
-            head = self._fused_head() if rule == "fused" else None
+            head = self._fused_head(fresh.matrices) if rule == "fused" else None
             self.auto_gates = (self._auto_gates(head) if head is not None and self.settings.auto_gates
                                and not settled else None)
         gates = self._gatebook(catalog, self.auto_gates)
@@ -460,8 +461,9 @@ class Service:
             self._publish(snapshot.catalog)
             return sum(len(v) for kind in KINDS for v in self._learned_examples(snapshot.catalog, kind).values())
 
-    def _fused_head(self) -> FusedHead:
-        """The fused rule's head for the index as it now stands (cached in the data directory)."""
+    def _fused_head(self, fresh: Mapping[str, Vectors] | None = None) -> FusedHead:
+        """The fused rule's head for the index as it now stands (cached in the data directory);
+        ``fresh``: token vectors the index's embedding just produced."""
         assert self.index is not None and self.embedder is not None and self.encoder is not None
         names, vectors, labels = self.index.examples()
         key = head_key(self.embedder.model_id, names, list(self._fingerprints(names).values()))
@@ -470,7 +472,7 @@ class Service:
         previous = (current.head.tokens if current is not None and current.head is not None
                     and current.encoder.model_id == self.encoder.model_id else None)  # not across a model swap
         return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
-                          self.encoder.embed_tokens, previous)
+                          self.encoder.embed_tokens, previous, fresh)
 
     def _fingerprints(self, names: Sequence[str]) -> dict[str, str]:
         """Each capability's examples fingerprint in the index (what the head's key and the auto

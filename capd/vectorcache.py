@@ -26,7 +26,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -285,6 +285,27 @@ def _check_or_init(conn: sqlite3.Connection, path: Path) -> None:
         raise _Unusable(f"schema version {version}, expected {SCHEMA_VERSION}")
 
 
+class TokenSink:
+    """Token vectors by text, kept while an embedder embeds (:meth:`CachedEmbedder.keeping_tokens`).
+
+    Up to ``limit`` token rows: past it the sink empties itself and takes no more (a catalog
+    over the second stage's budget has no use for any of them, and they would only hold memory)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.matrices: dict[str, Vectors] = {}
+        self.rows = 0
+        self.open = limit > 0  # a sink of 0 rows keeps nothing: the embedder embeds as usual
+
+    def add(self, texts: Sequence[str], matrices: Sequence[Vectors]) -> None:
+        for text, matrix in zip(texts, matrices, strict=True):
+            self.matrices[text] = matrix
+            self.rows += len(matrix)
+        if self.rows > self.limit:
+            self.matrices.clear()
+            self.open = False
+
+
 class CachedEmbedder:
     """An encoder behind the cache: only missing hashes are embedded, each distinct text once."""
 
@@ -292,6 +313,21 @@ class CachedEmbedder:
         self.encoder = encoder
         self.cache = cache
         self.batch_size = batch_size
+        self._tokens: TokenSink | None = None
+
+    @contextlib.contextmanager
+    def keeping_tokens(self, limit: int) -> Iterator[TokenSink]:
+        """Within the block, the texts this embedder has to embed are embedded with their token
+        vectors (one forward pass: :meth:`Encoder.embed_tokens` pools the vectors from the same
+        states, so the cached vectors are the same) and those are kept in the sink yielded: the
+        fused rule's second stage needs them for the same texts, and embedding them again doubled a
+        cold start's model time. Texts served from the cache have none to keep."""
+        sink = TokenSink(limit)
+        self._tokens = sink
+        try:
+            yield sink
+        finally:
+            self._tokens = None
 
     @property
     def model_id(self) -> str:
@@ -337,7 +373,12 @@ class CachedEmbedder:
             progress(0, len(missing))
         for start in range(0, len(missing), self.batch_size):
             chunk = missing[start:start + self.batch_size]
-            embedded = self.encoder.embed(chunk)
+            sink = self._tokens
+            if sink is not None and sink.open:
+                embedded, matrices = self.encoder.embed_tokens(chunk)
+                sink.add(chunk, matrices)
+            else:
+                embedded = self.encoder.embed(chunk)
             self._store([(hashes[t], v) for t, v in zip(chunk, embedded, strict=True)])
             unique[[row_of[t] for t in chunk]] = embedded
             if progress:

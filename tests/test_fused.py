@@ -152,6 +152,35 @@ def test_example_tokens_are_cached_with_the_head_and_reused_on_reload(settings_f
         again.close()
 
 
+class _CountingPasses(_CountingTokens):
+    """Every text the model is run on (HashEncoder's embed_tokens runs embed once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes: list[str] = []
+
+    def embed(self, texts: Any) -> Vectors:
+        self.passes += list(texts)
+        return super().embed(texts)
+
+
+def test_a_cold_start_runs_the_model_once_per_example(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """The index's vectors and the second stage's token vectors come from one pass per example
+    (``CachedEmbedder.keeping_tokens``): a cold fused start used to embed every example twice."""
+    tap = tmp_path / "tap"
+    write_capability(tap, "docker", ["list running containers", "restart a container"])
+    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    encoder = _CountingPasses()
+    with closing(Service(settings_factory(taps=(tap,), rule="fused", auto_gates=False), encoder=encoder).start()) \
+            as service:
+        head = service.router.head
+        assert head is not None and head.tokens is not None
+        examples = set(head.tokens.texts)
+        assert {"list running containers", "show database tables", "docker"} <= examples
+        assert sorted(encoder.passes) == sorted(examples)  # each example once, nothing else
+        assert service.route("restart a container please").decision.capability == "docker"
+
+
 def test_examples_are_triggers_plus_description_and_name_for_fused_only() -> None:
     capability = Capability(name="issue-tracking", tap=CORE, path=CORE, triggers=("file a bug",),
                             description="Track issues")

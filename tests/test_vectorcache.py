@@ -222,3 +222,49 @@ def test_other_schema_version_is_set_aside(tmp_path: Path) -> None:
     (aside,) = (p for p in tmp_path.glob(f"{CACHE_FILE}.corrupt-*") if not p.name.endswith(("-wal", "-shm")))
     with sqlite3.connect(aside) as conn:  # moved with its WAL, so nothing in it is lost
         assert conn.execute("PRAGMA user_version").fetchone() == (99,)
+
+
+class TokenCountingEncoder(CountingEncoder):
+    """Also records the texts asked for token vectors (HashEncoder's embed_tokens calls embed once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token_texts: list[str] = []
+
+    def embed_tokens(self, texts: Sequence[str]) -> tuple[Vectors, list[Vectors]]:
+        self.token_texts.extend(texts)
+        return super().embed_tokens(texts)
+
+
+def test_keeping_tokens_embeds_each_missing_text_once_with_its_token_vectors(tmp_path: Path) -> None:
+    encoder = TokenCountingEncoder()
+    with VectorCache.open(tmp_path) as cache:
+        embedder = CachedEmbedder(encoder, cache, batch_size=2)
+        embedder.embed(["cached already"])
+        encoder.seen.clear()
+        with embedder.keeping_tokens(limit=1000) as sink:
+            texts = ["run a query", "cached already", "list the tables", "run a query"]
+            vectors, embedded, cached = embedder.embed(texts)
+        assert (embedded, cached) == (2, 1)
+        assert encoder.seen == encoder.token_texts == ["run a query", "list the tables"]  # one model pass each
+        assert set(sink.matrices) == {"run a query", "list the tables"}  # nothing for a cached text
+        plain_vectors, plain_tokens = HashEncoder(dim=32).embed_tokens(["run a query", "list the tables"])
+        np.testing.assert_array_equal(vectors[[0, 2]], plain_vectors)  # the vectors cached are the usual ones
+        np.testing.assert_array_equal(sink.matrices["list the tables"], plain_tokens[1])
+        encoder.token_texts.clear()
+        embedder.embed(["a new text outside the block"])
+        assert encoder.token_texts == []  # outside the block: vectors only
+
+
+def test_a_token_sink_over_its_limit_empties_and_stops(tmp_path: Path) -> None:
+    encoder = TokenCountingEncoder()
+    with VectorCache.open(tmp_path) as cache:
+        embedder = CachedEmbedder(encoder, cache, batch_size=1)
+        with embedder.keeping_tokens(limit=4) as sink:  # HashEncoder: one token vector per word (2 + 3 > 4)
+            embedder.embed(["two words", "three more words", "and the rest of them"])
+        assert not sink.open and sink.matrices == {}
+        assert encoder.token_texts == ["two words", "three more words"]  # the third went without tokens
+        encoder.token_texts.clear()
+        with embedder.keeping_tokens(limit=0) as closed:  # a rule without a second stage
+            embedder.embed(["nothing kept"])
+        assert encoder.token_texts == [] and closed.matrices == {}
