@@ -21,7 +21,7 @@ import numpy as np
 
 from capd.encoder import TokenVectors
 from capd.fixtures import Fixture
-from capd.router import Router
+from capd.router import Router, passes_coverage
 from capd.text import clean_message
 
 
@@ -75,9 +75,7 @@ class ScoreTable:
         """bool [rows]: the coverage gate (per row, or one value) passes; 0 is no gate, NaN passes."""
         if self.coverage is None:
             return np.ones(len(self.routable), dtype=bool)
-        coverage = self.coverage.astype(np.float64)  # as the router compares (see apply_gates)
-        with np.errstate(invalid="ignore"):
-            return np.asarray((gate <= 0) | np.isnan(coverage) | (coverage >= gate))
+        return passes_coverage(self.coverage, gate)
 
 
 def _texts(router: Router, fixtures: Sequence[Fixture]) -> list[str]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,6 +37,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from capd import fused
 from capd.batching import aembed, aembed_tokens
@@ -67,8 +67,15 @@ class Gates:
                 "abstain_corpus": self.abstain_corpus, "coverage": self.coverage}
 
     def covers(self, coverage: float) -> bool:
-        """The coverage gate: off at 0, and a message without token vectors (NaN) passes."""
-        return self.coverage <= 0 or math.isnan(coverage) or coverage >= self.coverage
+        return bool(passes_coverage(coverage, self.coverage))
+
+
+def passes_coverage(coverage: npt.ArrayLike, gate: npt.ArrayLike) -> np.ndarray:
+    """The coverage gate, on one value or element-wise (the router and ``capd eval`` / ``calibrate``
+    share it): off where the gate is 0, and a message without token vectors (NaN) passes."""
+    coverage = np.asarray(coverage, dtype=np.float64)  # float32 statistics compared as the router compares
+    with np.errstate(invalid="ignore"):
+        return np.asarray((np.asarray(gate) <= 0) | np.isnan(coverage) | (coverage >= gate))
 
 
 @dataclass(frozen=True)

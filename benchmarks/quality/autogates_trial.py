@@ -90,9 +90,9 @@ def carry_over(examples: autogates.Examples, corpus: list[str], embedded: Any, t
         point = autogates.choose(without(examples, dropped), corpus, embedded)
         out.append({"share": share, "seed": seed, "added_after_fit": count,
                     "gates": None if point is None else point.as_dict(),
-                    **({} if point is None else {part: gated(table, r, point.threshold, point.margin, point.coverage)
+                    **({} if point is None else {part: gated(table, r, point)
                                                  for part, r in rows.items()}),
-                    "refitted": {part: gated(table, r, refitted.threshold, refitted.margin, refitted.coverage)
+                    "refitted": {part: gated(table, r, refitted)
                                  for part, r in rows.items()}})
     return out
 
@@ -167,8 +167,8 @@ def main(argv: list[str]) -> None:
                     point = autogates.choose(examples, corpus, embedded, axes[axis])
                     per[candidate] = {} if point is None else {
                         "gates": point.as_dict(),
-                        "fit": gated(table, fit_rows, point.threshold, point.margin, point.coverage),
-                        "held_out": gated(table, held_rows, point.threshold, point.margin, point.coverage)}
+                        "fit": gated(table, fit_rows, point),
+                        "held_out": gated(table, held_rows, point)}
                     line = "no feasible point" if point is None else (
                         f"gates {point.threshold:+.2f} / {point.margin:.2f} / {point.coverage:.2f}  " + "  ".join(
                             f"{part} fr {per[candidate][part]['fired_right']:.3f} fw "

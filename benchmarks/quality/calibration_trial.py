@@ -33,6 +33,7 @@ from capd.calibrate import Grid, best_point, grid_for, split, sweep
 from capd.encoder import open_encoder
 from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import load_fixtures
+from capd.router import Gates
 from capd.settings import Settings
 
 MODES = ("plain", "spare", "wilson", "erode")
@@ -105,8 +106,8 @@ def main(argv: list[str]) -> dict[str, Any]:
                               for k in grid.top_ks}
                     for mode in MODES:
                         point = choose({k: t.subset(fit_rows) for k, t in tables.items()}, grid, mode)
-                        held = None if point is None else gated(tables[point[0]], held_rows, point[1], point[2],
-                                                                    point[4])
+                        held = None if point is None else gated(tables[point[0]], held_rows,
+                                                                    Gates(point[1], point[2], coverage=point[4]))
                         within = held is not None and (held.get("null_fpr") or 0) <= LIMITS["max_null_fpr"] + 1e-9 \
                             and held["fired_wrong"] <= LIMITS["max_wrong"] + 1e-9
                         report["results"].append({"set": evalset.name, "rule": rule, "mode": mode, "point": point,

@@ -228,6 +228,13 @@ def tuned_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def rates_cell(values: dict[str, Any] | None) -> str:
+    """fired_right / fired_wrong / null_fpr (— when not measured)."""
+    if values is None:
+        return "—"
+    return " / ".join(fmt(values[m]) for m in ("fired_right", "fired_wrong", "null_fpr"))
+
+
 def no_fixture_lines(result: dict[str, Any]) -> list[str]:
     """What a tap gets before anyone calibrates it: the anchor's production gates, the fused
     rule's manifest default and its auto gates (``capd/autogates.py``), held out."""
@@ -237,20 +244,15 @@ def no_fixture_lines(result: dict[str, Any]) -> list[str]:
              "| set | anchor, production gates | fused, manifest default gates | **fused, auto gates** | "
              "fused+tuned, manifest default gates | fused+tuned, auto gates |", "|---|---|---|---|---|---|"]
 
-    def cell(values: dict[str, Any] | None) -> str:
-        if values is None:
-            return "—"
-        return " / ".join(fmt(values[m]) for m in ("fired_right", "fired_wrong", "null_fpr"))
-
     for name, data in result["sets"].items():
         rules = data["rules"]
         anchor, fused_rule = rules.get("anchor", {}), rules.get("fused", {})
         tuned = rules.get("fused+tuned", {})
-        lines.append(f"| {name} | {cell(anchor.get('default', {}).get('held_out'))} | "
-                     f"{cell(fused_rule.get('default', {}).get('held_out'))} | "
-                     f"**{cell(fused_rule.get('auto', {}).get('held_out'))}** | "
-                     f"{cell(tuned.get('default', {}).get('held_out'))} | "
-                     f"{cell(tuned.get('auto', {}).get('held_out'))} |")
+        lines.append(f"| {name} | {rates_cell(anchor.get('default', {}).get('held_out'))} | "
+                     f"{rates_cell(fused_rule.get('default', {}).get('held_out'))} | "
+                     f"**{rates_cell(fused_rule.get('auto', {}).get('held_out'))}** | "
+                     f"{rates_cell(tuned.get('default', {}).get('held_out'))} | "
+                     f"{rates_cell(tuned.get('auto', {}).get('held_out'))} |")
     return [*lines, ""]
 
 
@@ -268,11 +270,7 @@ def coverage_lines(result: dict[str, Any]) -> list[str]:
             if "calibrated" not in r or "calibrated_no_coverage" not in r:
                 continue
             before, after = r["calibrated_no_coverage"], r["calibrated"]
-
-            def cell(v: dict[str, Any]) -> str:
-                return " / ".join(fmt(v[m]) for m in ("fired_right", "fired_wrong", "null_fpr"))
-
-            lines.append(f"| {name} | {rule} | {cell(before['held_out'])} | {cell(after['held_out'])} | "
+            lines.append(f"| {name} | {rule} | {rates_cell(before['held_out'])} | {rates_cell(after['held_out'])} | "
                          f"{after['gates'].get('coverage', 0):g} | {fmt(before['fit']['fired_right'])} → "
                          f"{fmt(after['fit']['fired_right'])} |")
     return [*lines, ""]

@@ -63,10 +63,8 @@ def main(argv: list[str]) -> None:
                         winner, _, _ = table.gate_inputs()
                         right = table.expected[np.arange(len(winner)), winner] & table.positive
                         point, _ = best_point({fused.TOP_K: table.subset(fit_rows)}, grid=grid_for("fused"), **LIMITS)
-                        held = None if point is None else gated(table, held_rows, point.threshold, point.margin,
-                                                                    point.coverage)
-                        fit = None if point is None else gated(table, fit_rows, point.threshold, point.margin,
-                                                                   point.coverage)
+                        held = None if point is None else gated(table, held_rows, point)
+                        fit = None if point is None else gated(table, fit_rows, point)
                         entry = {"set": evalset.name, "tuned": args.tuned, "weight": weight, "candidates": candidates,
                                  "top1_all": round(float(right.sum() / table.positive.sum()), 4),
                                  "held_out": held, "fit": fit}

@@ -53,6 +53,7 @@ from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
 from capd.models import manifest_for
+from capd.router import Gates
 from capd.service import Service
 from capd.settings import Settings
 from capd.text import clean_message
@@ -159,10 +160,10 @@ class Bench:
         return [self.token_memo[model, clean_message(f.message, router.min_chars)[0]] for f in fixtures]
 
 
-def gated(table: ScoreTable, rows: np.ndarray | None, threshold: float, margin: float,
-          coverage: float = 0.0) -> dict[str, Any]:
+def gated(table: ScoreTable, rows: np.ndarray | None, gates: Point | Gates) -> dict[str, Any]:
+    """Metrics of ``rows`` of ``table`` (None: all) at ``gates`` (threshold, margin, coverage)."""
     sub = table if rows is None else table.subset(rows)
-    return metrics(sub, apply_gates(sub, threshold, margin, coverage))
+    return metrics(sub, apply_gates(sub, gates.threshold, gates.margin, gates.coverage))
 
 
 def manifest_info(model: str | None = None) -> dict[str, Any]:
@@ -191,36 +192,31 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
     fit_rows, held_rows = split(fixtures)
     out: dict[str, Any] = {
         "capabilities": len(router.catalog), "examples": router.index.trigger_count,
-        "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows,
-                                                        default["threshold"], default["margin"],
-                                                        default.get("coverage", 0.0))},
+        "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows, Gates(
+            default["threshold"], default["margin"], coverage=default.get("coverage", 0.0)))},
     }
     if (auto := service.auto_gates) is not None:  # fused: fitted on the tap's examples, no fixture seen
         table = tables[auto.top_k]
-        out["auto"] = {"gates": auto.as_dict(), "held_out": gated(table, held_rows, auto.threshold, auto.margin,
-                                                                       auto.coverage),
-                       "fit": gated(table, fit_rows, auto.threshold, auto.margin, auto.coverage)}
+        out["auto"] = {"gates": auto.as_dict(), "held_out": gated(table, held_rows, auto),
+                       "fit": gated(table, fit_rows, auto)}
     fitted = fit_gates(variants, fit_rows, grid=grid, **LIMITS)  # what `capd calibrate` does
     out["abstain_corpus"] = fitted.corpus
     if (calibrated := fitted.point) is not None:
         table = fitted.tables[calibrated.top_k]
         out["calibrated"] = {"gates": calibrated.as_dict(),
-                             "held_out": gated(table, held_rows, calibrated.threshold, calibrated.margin,
-                                               calibrated.coverage),
-                             "fit": gated(table, fit_rows, calibrated.threshold, calibrated.margin,
-                                          calibrated.coverage)}
+                             "held_out": gated(table, held_rows, calibrated),
+                             "fit": gated(table, fit_rows, calibrated)}
     if router.rule == "fused":  # the coverage gate's contribution: the same calibration without its axis
         plain = fit_gates(variants, fit_rows, grid=dataclasses.replace(grid, coverages=np.zeros(1)), **LIMITS)
         if (point := plain.point) is not None:
             table = plain.tables[point.top_k]
             out["calibrated_no_coverage"] = {"gates": point.as_dict(),
-                                             "held_out": gated(table, held_rows, point.threshold, point.margin),
-                                             "fit": gated(table, fit_rows, point.threshold, point.margin)}
+                                             "held_out": gated(table, held_rows, point),
+                                             "fit": gated(table, fit_rows, point)}
     everything = fit_gates(variants, np.arange(len(fixtures)), grid=grid, **LIMITS)
     if (ceiling := everything.point) is not None:
         out["all_rows"] = {"gates": ceiling.as_dict(),
-                           "all": gated(everything.tables[ceiling.top_k], None, ceiling.threshold, ceiling.margin,
-                                        ceiling.coverage)}
+                           "all": gated(everything.tables[ceiling.top_k], None, ceiling)}
     return out
 
 
@@ -293,21 +289,20 @@ def feedback(bench: Bench, evalset: EvalSet, fixtures: Sequence[Fixture], vector
         vectors = bench.vectors(service, fixtures) if vectors is None else vectors
         tokens = bench.tokens(service, fixtures)
         out["before"] = gated(score_table(service.router, fixtures, vectors=vectors, tokens=tokens),
-                              held_rows, gates.threshold, gates.margin, gates.coverage)
+                              held_rows, gates)
         out.update(correct(service, fixtures, fit_rows))
         triggers_only = copy.copy(service.router)
         triggers_only.vetoes = dataclasses.replace(service.router.vetoes, texts={}, vectors={})  # corpus kept
         for key, router in (("after_triggers_only", triggers_only), ("after_same_gates", service.router)):
             table = score_table(router, fixtures, vectors=vectors, tokens=tokens)
-            out[key] = gated(table, held_rows, gates.threshold, gates.margin, gates.coverage)
+            out[key] = gated(table, held_rows, gates)
     with loop_service(bench, evalset, gates, tuned) as service:
         out["refit_traffic"] = correct(service, fixtures, fit_rows[0::2])
         refit = fit_gates(score_variants(service.router, fixtures, vectors, bench.tokens(service, fixtures), grid),
                           fit_rows[1::2], grid=grid, **LIMITS)
         if (point := refit.point) is not None:
             out["refit_gates"] = point.as_dict()
-            out["after_refit"] = gated(refit.tables[point.top_k], held_rows, point.threshold, point.margin,
-                                       point.coverage)
+            out["after_refit"] = gated(refit.tables[point.top_k], held_rows, point)
     return out
 
 
