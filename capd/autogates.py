@@ -8,7 +8,13 @@ transfers badly. Auto gates calibrate on what every tap already has:
 - **positives**: every example (trigger, description, name), scored *out of fold*. The j-th
   example of each capability goes to fold ``j mod AUTO_FOLDS``; the head, ``μ_in``, BM25 and
   the token table fitted on the other folds score the held fold, so an example never meets
-  itself. A capability's only example stays in (there is nothing to score it against).
+  itself. A capability's only example stays in (there is nothing to score it against). Folds
+  are scored in turn until ``AUTO_MIN_SCORED`` examples are: every fold holds a share of each
+  capability's examples and every fold head is fitted on the same share of the tap, so a large
+  tap's first fold samples what all five would score, at a fifth of the fits. A tap under
+  ``AUTO_MIN_SCORED`` examples scores them all: samples of about a hundred examples moved the
+  gates of the small shared sets, while 2,553 of the generated 1,000-capability tap's examples
+  gave gates a little more cautious than all 10,951 (``benchmarks/quality/README.md``).
 - **nulls**: the shipped abstain corpus (:func:`capd.router.abstain_corpus`), scored by the head
   the rule routes with, minus the messages whose level at their winner reaches ``CORPUS_LEVEL_CUT``: they
   are as close to a capability as its own examples are to each other ("see you tomorrow" for a
@@ -24,8 +30,8 @@ were chosen on the fit parts of the shared eval sets and taps/core
 used. Precedence: manifest < auto gates < a tap's ``capd.toml`` < settings. The result is cached in
 the data directory by the content hash of the examples, the corpus and these constants.
 
-**Refits.** Fitting costs five head fits (on a 1,000-capability tap an edit was live after
-66 s with them and 13 s without, ``benchmarks/bench_daemon.py``), and every tap edit or applied
+**Refits.** Fitting costs up to five head fits (on a 1,000-capability tap an edit was live after
+66 s with five and 13 s without, ``benchmarks/bench_daemon.py``), and every tap edit or applied
 learned correction changes the examples. The point is a statistic over all of them, so a few
 changed capabilities barely move it: the gates carry over until more than ``AUTO_REFIT_SHARE`` of the capabilities they
 were fitted on have changed (added, removed, or other examples), counted from the last fit,
@@ -55,6 +61,7 @@ from capd.index import Ints, TriggerIndex, segment_topk_mean
 log = logging.getLogger(__name__)
 
 AUTO_FOLDS = 5
+AUTO_MIN_SCORED = 2_000  # examples scored out of fold, after which no further fold is fitted
 AUTO_NULL_RATE = 0.02  # of the corpus messages kept as nulls
 AUTO_MAX_WRONG = 0.03
 CORPUS_LEVEL_CUT = 0.0
@@ -140,18 +147,25 @@ def _score(head: fused.FusedHead, examples: Examples, rows: np.ndarray, vectors:
     return head.score(knn, vectors, texts, tokens)
 
 
-def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Floats, fused.Floats]:
-    """(rows scored, their fused scores ``[n, C]``, their levels ``[n, C]``, their winners'
-    coverage ``[n]``), each example scored by a head that never saw it."""
-    labels = examples.labels
+def folds(labels: Ints) -> Ints:
+    """Each example's fold: its position among its capability's examples, modulo :data:`AUTO_FOLDS`."""
     position = np.zeros(len(labels), dtype=np.int64)
     for column in np.unique(labels):
         members = np.flatnonzero(labels == column)
         position[members] = np.arange(len(members))
+    return position % AUTO_FOLDS
+
+
+def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Floats, fused.Floats]:
+    """(rows scored, their fused scores ``[n, C]``, their levels ``[n, C]``, their winners'
+    coverage ``[n]``), each example scored by a head that never saw it; fold after fold until
+    :data:`AUTO_MIN_SCORED` rows are scored."""
+    labels = examples.labels
+    fold_of = folds(labels)
     held_rows, fused_rows, level_rows, coverage_rows = [], [], [], []
     head_tokens = examples.head.tokens.matrices() if examples.head.tokens is not None else {}
     for fold in range(AUTO_FOLDS):
-        held = position % AUTO_FOLDS == fold
+        held = fold_of == fold
         kept = np.bincount(labels[~held], minlength=len(examples.names))
         held &= kept[labels] > 0  # a capability keeps at least one example
         if not held.any():
@@ -165,6 +179,8 @@ def out_of_fold(examples: Examples) -> tuple[np.ndarray, fused.Floats, fused.Flo
         fused_rows.append(scores.fused)
         level_rows.append(scores.level)
         coverage_rows.append(scores.winner_coverage)
+        if sum(map(len, held_rows)) >= AUTO_MIN_SCORED:
+            break
     if not held_rows:
         dim = len(examples.names)
         return (np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros((0, dim), np.float32),
@@ -209,7 +225,7 @@ def auto_gates(examples: Examples, corpus: Sequence[str], embed_corpus: Callable
     differ from its basis in at most :data:`AUTO_REFIT_SHARE` of the capabilities."""
     fingerprints = dict(fingerprints or {})
     digest = hashlib.sha256(f"{VERSION}\n{head_key}\n{AUTO_FOLDS} {AUTO_NULL_RATE} {AUTO_MAX_WRONG} "
-                            f"{CORPUS_LEVEL_CUT} {AUTO_REFIT_SHARE}\n".encode())
+                            f"{CORPUS_LEVEL_CUT} {AUTO_REFIT_SHARE} {AUTO_MIN_SCORED}\n".encode())
     for message in corpus:
         digest.update(message.encode() + b"\n")
     path = cache_dir / f"{digest.hexdigest()}.auto.json" if cache_dir is not None else None

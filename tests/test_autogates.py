@@ -69,6 +69,27 @@ def test_every_example_is_scored_by_a_head_that_never_saw_it(settings_factory: S
         assert scored and not trained_on & set(scored)
 
 
+def test_folds_stop_once_enough_examples_are_scored(settings_factory: SettingsFactory, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    fitted: list[int] = []
+    head = autogates._head
+
+    def counting(examples: autogates.Examples, rows: np.ndarray) -> Any:
+        fitted.append(len(rows))
+        return head(examples, rows)
+
+    with closing(Service(settings_factory(taps=(_tap(tmp_path / "tap"),), rule="fused")).start()) as service:
+        examples = _examples(service)
+        monkeypatch.setattr(autogates, "_head", counting)
+        every, *_ = autogates.out_of_fold(examples)
+        monkeypatch.setattr(autogates, "AUTO_MIN_SCORED", 5)  # the first fold alone scores more than 5
+        first, fused_rows, levels, coverage = autogates.out_of_fold(examples)
+    assert len(fitted) == autogates.AUTO_FOLDS + 1  # all five folds, then the first alone
+    assert 5 <= len(first) < len(every) and set(first.tolist()) < set(every.tolist())
+    assert fused_rows.shape == levels.shape == (len(first), len(examples.names)) and coverage.shape == (len(first),)
+    assert fitted[-1] == len(examples.labels) - len(first)  # its head was fitted on everything else
+
+
 def test_auto_gates_are_cached_by_the_examples(settings_factory: SettingsFactory, tmp_path: Path) -> None:
     calls: list[int] = []
     encoder = HashEncoder()

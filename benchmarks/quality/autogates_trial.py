@@ -23,6 +23,14 @@ after the fit, and measured on the whole tap next to the gates refitted on all o
 carried-over point can differ at that share. A set too small for one capability to stay within
 the share never carries over (any change refits).
 
+Scoring fewer folds (``AUTO_MIN_SCORED``; ``--folds 1,2``): folds are scored in turn until
+``AUTO_MIN_SCORED`` examples are. Per set and number of folds, ``AUTO_MIN_SCORED`` is set to what
+that many folds hold, and the gates and what they give on the fixtures are shown next to every fold
+scored (the shared sets have at most 1,050 examples, under the shipped 2,000). ``--generated 1000``
+does the same on the generated 1,000-capability tap of ``benchmarks/bench_daemon.py`` (10,951
+examples, no fixtures), where the shipped value scores one fold: each point is measured on the
+out-of-fold rows of all five folds and the corpus, and ``choose`` is timed.
+
 Writes ``benchmarks/results/autogates_trial.json``.
 """
 
@@ -31,19 +39,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks import gen_tap
 from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
 from capd import autogates, fused
 from capd.calibrate import FUSED_GRID, split
 from capd.encoder import open_encoder
-from capd.evaluation import score_table
+from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import load_fixtures
 from capd.router import abstain_corpus
 from capd.settings import Settings
@@ -78,8 +89,8 @@ def without(examples: autogates.Examples, dropped: np.ndarray) -> autogates.Exam
                               examples.labels[rows], autogates._head(examples, rows), examples.embed_tokens)
 
 
-def carry_over(examples: autogates.Examples, corpus: list[str], embedded: Any, table: Any, rows: dict[str, np.ndarray],
-               refitted: Any, share: float) -> list[dict[str, Any]]:
+def carry_over(examples: autogates.Examples, corpus: Sequence[str], embedded: Any, table: Any,
+               rows: dict[str, np.ndarray], refitted: Any, share: float) -> list[dict[str, Any]]:
     """Per seed: the gates fitted before a random ``share`` of the capabilities were added, on the
     whole tap's fixtures, next to ``refitted`` (fitted on all of it)."""
     columns = len(examples.names)
@@ -107,6 +118,95 @@ def carry_line(run: dict[str, Any], refitted: Any) -> str:
             f"{refitted.threshold:+.2f} / {refitted.margin:.2f}; " + "; ".join(parts))  # coverage in the JSON
 
 
+def fold_sizes(examples: autogates.Examples) -> np.ndarray:
+    """Examples each fold scores (a capability's only example is never held out)."""
+    alone = np.bincount(examples.labels)[examples.labels] < 2
+    return np.bincount(autogates.folds(examples.labels)[~alone], minlength=autogates.AUTO_FOLDS)
+
+
+def fewer_folds(examples: autogates.Examples, corpus: Sequence[str], embedded: Any, table: Any,
+                rows: dict[str, np.ndarray], counts: list[int]) -> list[dict[str, Any]]:
+    """Per number of folds: the auto gates from that many and what they give on the fixtures' ``rows``."""
+    shipped, out = autogates.AUTO_MIN_SCORED, []
+    sizes = np.cumsum(fold_sizes(examples))
+    try:
+        for count in sorted({*counts, autogates.AUTO_FOLDS}):
+            autogates.AUTO_MIN_SCORED = int(sizes[count - 1])
+            point = autogates.choose(examples, corpus, embedded)
+            out.append({"folds": count, "scored": int(sizes[count - 1]), "of": int(sizes[-1]),
+                        "gates": None if point is None else point.as_dict(),
+                        **({} if point is None else {part: gated(table, r, point) for part, r in rows.items()})})
+    finally:
+        autogates.AUTO_MIN_SCORED = shipped
+    return out
+
+
+def fewer_folds_line(run: dict[str, Any]) -> str:
+    head = f"{run['folds']} fold(s), {run['scored']} of {run['of']} examples scored: "
+    if run["gates"] is None:
+        return head + "no feasible point"
+    return head + f"gates {run['gates']['threshold']:+.2f} / {run['gates']['margin']:.2f}  " + "  ".join(
+        f"{part} fr {run[part]['fired_right']:.3f} fw {run[part]['fired_wrong']:.3f} null {run[part]['null_fpr']}"
+        for part in ("fit", "held_out"))
+
+
+def generated(size: int, counts: list[int], bench: Bench, corpus: Sequence[str]) -> dict[str, Any]:
+    """``choose`` on the generated tap of ``size`` per number of folds (timed; with the shipped
+    ``AUTO_MIN_SCORED`` too), each point measured on every fold's out-of-fold rows and the corpus
+    nulls (no fixtures exist)."""
+    tap = gen_tap.cached_tap(size, CACHE.parent)
+    data_dir = bench.scratch / f"generated-{size}"
+    primed = CACHE.parent / f"data-{size}-v{gen_tap.VERSION}" / "vectors.sqlite3"  # bench_daemon's, if it ran
+    if primed.is_file():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(primed, data_dir / primed.name)
+    settings = Settings(taps=(tap,), rule="fused", data_dir=data_dir, auto_gates=False)
+    from capd.service import Service  # the bench's services share one data dir; this one has its own
+
+    service = Service(settings, encoder=bench.encoder).start()
+    try:
+        router = service.router
+        assert router.head is not None and service.index is not None
+        examples = autogates.examples_of(service.index, router.head, router.encoder.embed_tokens)
+        assert examples is not None
+        embedded = router.encoder.embed_tokens(list(corpus))
+        shipped, runs = autogates.AUTO_MIN_SCORED, []
+        try:
+            autogates.AUTO_MIN_SCORED = len(examples.labels)  # every fold: the reference rows
+            rows, fused_rows, level_rows, _ = autogates.out_of_fold(examples)
+            null_scores = autogates._score(examples.head, examples, np.arange(len(examples.labels)),
+                                           np.asarray(embedded[0], np.float32), corpus, embedded[1])
+            nulls = null_scores.winner_level < autogates.CORPUS_LEVEL_CUT
+            count = len(rows) + int(nulls.sum())
+            expected = np.zeros((count, len(examples.names)), dtype=bool)
+            expected[np.arange(len(rows)), examples.labels[rows]] = True
+            reference = ScoreTable(tuple(range(count)), examples.names,  # type: ignore[arg-type]
+                                   np.vstack([fused_rows, null_scores.fused[nulls]]), np.ones(count, dtype=bool),
+                                   expected, np.vstack([level_rows, null_scores.level[nulls]]))
+            sizes = np.cumsum(fold_sizes(examples))
+            for value in sorted({*(int(sizes[c - 1]) for c in {*counts, autogates.AUTO_FOLDS}), shipped}):
+                autogates.AUTO_MIN_SCORED = value
+                started = time.perf_counter()
+                point = autogates.choose(examples, corpus, embedded)
+                seconds = time.perf_counter() - started
+                run: dict[str, Any] = {"min_scored": value, "folds": int(np.searchsorted(sizes, value) + 1),
+                                       "choose_s": round(seconds, 2),
+                                       "gates": None if point is None else point.as_dict()}
+                if point is not None:
+                    run["all_folds"] = metrics(reference, apply_gates(reference, point.threshold, point.margin))
+                runs.append(run)
+                print(f"generated-{size}: min_scored {value:>6} ({run['folds']} fold(s)) choose {seconds:.1f} s "
+                      + ("no feasible point" if point is None else
+                         f"gates {point.threshold:+.2f} / {point.margin:.2f}; on every fold's rows: fr "
+                         f"{run['all_folds']['fired_right']:.3f} fw {run['all_folds']['fired_wrong']:.3f} "
+                         f"corpus null {run['all_folds']['null_fpr']:.3f}"), flush=True)
+        finally:
+            autogates.AUTO_MIN_SCORED = shipped
+        return {"capabilities": len(examples.names), "examples": len(examples.labels), "runs": runs}
+    finally:
+        service.close()
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", default=",".join(SETS))
@@ -115,8 +215,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--wrongs", default=str(autogates.AUTO_MAX_WRONG), help="AUTO_MAX_WRONG values")
     parser.add_argument("--coverage", default="off", help="on: sweep the coverage gate too; off: not (shipped)")
     parser.add_argument("--shares", default="0.02,0.05", help="carry-over shares to measure")
+    parser.add_argument("--folds", default="", help="numbers of folds to compare with all five (e.g. 1,2)")
+    parser.add_argument("--generated", type=int, default=0, help="also compare them on the generated tap of this size")
     parser.add_argument("--out", type=Path, default=RESULTS / "autogates_trial.json")
     args = parser.parse_args(argv)
+    fold_counts = [int(v) for v in args.folds.split(",") if v.strip()]
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
     rates = [float(r) for r in args.rates.split(",")]
     cuts = [float(c) for c in args.cuts.split(",")]
@@ -128,6 +231,7 @@ def main(argv: list[str]) -> None:
     results: dict[str, dict[Candidate, dict[str, Any]]] = {}
     costs: dict[str, dict[str, float]] = {}
     carried: dict[str, list[dict[str, Any]]] = {}
+    folds: dict[str, Any] = {}
     CACHE.mkdir(parents=True, exist_ok=True)
     encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
     corpus = abstain_corpus()
@@ -160,6 +264,11 @@ def main(argv: list[str]) -> None:
                         examples, corpus, embedded, table, {"fit": fit_rows, "held_out": held_rows}, refitted, share)]
                     for run in carried[evalset.name]:
                         print(f"{evalset.name:20s} {carry_line(run, refitted)}", flush=True)
+                if fold_counts:
+                    folds[evalset.name] = fewer_folds(examples, corpus, embedded, table,
+                                                      {"fit": fit_rows, "held_out": held_rows}, fold_counts)
+                    for run in folds[evalset.name]:
+                        print(f"{evalset.name:20s} {fewer_folds_line(run)}", flush=True)
                 per: dict[Candidate, dict[str, Any]] = {}
                 for candidate in itertools.product(rates, cuts, wrongs, coverage_modes):
                     rate, cut, wrong, axis = candidate
@@ -180,6 +289,8 @@ def main(argv: list[str]) -> None:
             finally:
                 autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT, autogates.AUTO_MAX_WRONG = shipped
                 service.close()
+        if args.generated:
+            folds[f"generated-{args.generated}"] = generated(args.generated, fold_counts, bench, corpus)
     best, rankable = choose(results) if results else (None, [])
     print(f"chosen on the fit parts (rankable sets: {', '.join(rankable)}): "
           + ("none" if best is None else f"rate {best[0]:g}, cut {best[1]:g}, wrong {best[2]:g}, coverage {best[3]}")
@@ -188,6 +299,7 @@ def main(argv: list[str]) -> None:
     report = {"args": vars(args) | {"out": str(args.out)}, "skipped": skipped, "rankable": rankable,
               "chosen": None if best is None else dict(zip(names, best, strict=True)),
               "shipped": dict(zip(names[:3], shipped, strict=True)), "cost_seconds": costs, "carry_over": carried,
+              "fewer_folds": folds,
               "results": {s: [{**dict(zip(names, c, strict=True)), **r} for c, r in per.items()]
                           for s, per in results.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

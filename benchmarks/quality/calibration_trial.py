@@ -13,7 +13,13 @@ exceed a limit on unseen rows. This compares, on the held-out part, the shipped 
   margin (which fire more) must be within the limits too.
 
 Rules with ``+tuned`` use the set's tuned model from the ``make quality`` cache (tuned on first
-use). Writes ``benchmarks/results/calibration_trial.json``.
+use).
+
+``--corpus-gains 0,0.01,0.02,0.03`` instead sweeps ``CORPUS_MIN_GAIN`` (the fit fired_right the
+abstain corpus must add for ``capd calibrate`` to keep it, ``capd.calibrate.fit_gates``): per set,
+rule and value, whether the corpus is kept and what the chosen gates give on the held-out part.
+
+Writes ``benchmarks/results/calibration_trial.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
-from capd.calibrate import Grid, best_point, grid_for, split, sweep
+from capd import calibrate
+from capd.calibrate import Grid, best_point, fit_gates, grid_for, score_variants, split, sweep
 from capd.encoder import open_encoder
 from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import load_fixtures
@@ -80,12 +87,34 @@ def choose(tables: dict[int, ScoreTable], grid: Grid, mode: str) -> tuple[int, f
     return None if point is None else (point.top_k, point.threshold, point.margin, point.fired_right, point.coverage)
 
 
+def corpus_gains(router: Any, fixtures: Any, vectors: np.ndarray, tokens: Any, rows: dict[str, np.ndarray],
+                 gains: list[float]) -> list[dict[str, Any]]:
+    """Per ``CORPUS_MIN_GAIN`` value: ``capd calibrate``'s choice on the fit rows and its held-out metrics."""
+    grid = grid_for(router.rule)
+    variants = score_variants(router, fixtures, vectors, tokens, grid)
+    shipped, out = calibrate.CORPUS_MIN_GAIN, []
+    try:
+        for gain in gains:
+            calibrate.CORPUS_MIN_GAIN = gain
+            fitted = fit_gates(variants, rows["fit"], grid, LIMITS["max_null_fpr"], LIMITS["max_wrong"])
+            point = fitted.point
+            out.append({"gain": gain, "fit_without_with": fitted.corpus,
+                        "point": None if point is None else point.as_dict(),
+                        "held_out": None if point is None else gated(fitted.tables[point.top_k], rows["held_out"],
+                                                                     point)})
+    finally:
+        calibrate.CORPUS_MIN_GAIN = shipped
+    return out
+
+
 def main(argv: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", default=",".join(SETS))
     parser.add_argument("--rules", default="fused,anchor,fused+tuned,anchor+tuned")
+    parser.add_argument("--corpus-gains", default="", help="CORPUS_MIN_GAIN values to sweep instead of the modes")
     parser.add_argument("--out", type=Path, default=RESULTS / "calibration_trial.json")
     args = parser.parse_args(argv)
+    gains = [float(g) for g in args.corpus_gains.split(",") if g.strip()]
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
     report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -101,6 +130,21 @@ def main(argv: list[str]) -> dict[str, Any]:
                 try:
                     vectors = bench.vectors(service, fixtures)
                     tokens = bench.tokens(service, fixtures) if base == "fused" else None
+                    if gains:
+                        if base == "anchor":  # the anchor rule never uses the corpus
+                            continue
+                        for run in corpus_gains(service.router, fixtures, vectors, tokens,
+                                                {"fit": fit_rows, "held_out": held_rows}, gains):
+                            report["results"].append({"set": evalset.name, "rule": rule, **run})
+                            held, tried = run["held_out"], run["fit_without_with"]
+                            kept = run["point"] is not None and run["point"]["abstain_corpus"]
+                            print(f"{evalset.name:20s} {rule:13s} gain {run['gain']:<5g} fit without/with "
+                                  f"{tried['without']} / {tried['with']} corpus {'kept' if kept else 'not kept'}: "
+                                  + ("no feasible point" if held is None else
+                                     f"held-out fired_right={held['fired_right']:.3f} "
+                                     f"fired_wrong={held['fired_wrong']:.3f} null_fpr={held.get('null_fpr')}"),
+                                  flush=True)
+                        continue
                     grid = grid_for(base)
                     tables = {k: score_table(service.router, fixtures, top_k=k, vectors=vectors, tokens=tokens)
                               for k in grid.top_ks}
@@ -117,7 +161,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                               f"null_fpr={held.get('null_fpr')} {'within' if within else 'OVER'}"), flush=True)
                 finally:
                     service.close()
-    for mode in MODES:
+    for mode in MODES if not gains else ():
         rows = [r for r in report["results"] if r["mode"] == mode]
         mean = np.mean([r["held_out"]["fired_right"] if r["held_out"] else 0.0 for r in rows])
         print(f"{mode:7s}: held-out within the limits on {sum(r['within_limits'] for r in rows)} of {len(rows)}; "

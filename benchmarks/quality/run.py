@@ -112,6 +112,7 @@ class Bench:
     timed: int = TIMED_MESSAGES
     tuned_root: Path | None = None  # where tuned models persist between runs (None: in scratch)
     model: str | None = None  # another model than the manifest default (--model)
+    learn_max: int | None = None  # learned corrections kept per capability and kind (None: the default)
 
     def service(self, tap: Path, rule: str, sessions: bool = False, gates: Point | None = None,
                 tuned_as: str | None = None) -> Service:
@@ -133,6 +134,7 @@ class Bench:
             shutil.copytree(self.scratch / "shared" / "heads", data_dir / "heads")
         settings = Settings(taps=(tap,), rule=rule, data_dir=data_dir, threshold=gates.threshold if gates else None,
                             **({"model": self.model} if self.model else {}),
+                            **({"learn_max": self.learn_max} if self.learn_max else {}),
                             margin=gates.margin if gates else None,
                             abstain_corpus=gates.abstain_corpus if gates else None, tune=tuned_as is not None)
         return Service(settings, encoder=self.encoder, sessions=sessions).start()

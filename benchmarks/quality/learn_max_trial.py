@@ -1,0 +1,96 @@
+"""Research harness: what bounding the learned store (``learn_max``) costs routing.
+
+Run: ``.venv/bin/python -m benchmarks.quality.learn_max_trial [--sets a,b] [--values 10,30,100]``
+(about a minute per set and value).
+
+Each capability keeps its latest ``learn_max`` learned triggers and learned abstains
+(``capd/learned.py``; default 100). Per set and value, the feedback loop of ``make quality``
+(``benchmarks.quality.run.feedback``'s first part): the fused rule at the gates calibrated on the fit
+part, the fit part routed as traffic with its mistakes corrected (a miss enables the expected
+capability, a null that fired is disabled), then the held-out part scored at the same gates. Also
+how many corrections were kept, and the most any one capability kept of one kind. Writes
+``benchmarks/results/learn_max_trial.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from benchmarks.quality.run import (
+    CACHE,
+    EVALSETS,
+    LIMITS,
+    RESULTS,
+    Bench,
+    correct,
+    find_sets,
+    gated,
+    loop_service,
+    manifest_info,
+)
+from capd.calibrate import fit_gates, grid_for, score_variants, split
+from capd.encoder import open_encoder
+from capd.evaluation import score_table
+from capd.fixtures import load_fixtures
+from capd.settings import Settings
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", default="clinc150_domain,hwu64_scenario_oos")
+    parser.add_argument("--values", default="10,30,100")
+    parser.add_argument("--out", type=Path, default=RESULTS / "learn_max_trial.json")
+    args = parser.parse_args(argv)
+    found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
+    values = [int(v) for v in args.values.split(",") if v.strip()]
+    report: dict[str, Any] = {"skipped": skipped, "results": []}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
+    grid = grid_for("fused")
+    with tempfile.TemporaryDirectory(prefix="capd-learn-max-") as scratch:
+        bench = Bench(encoder, Path(scratch), manifest_info()["gates"])
+        for evalset in found:
+            fixtures = load_fixtures(evalset.fixture_files)
+            fit_rows, held_rows = split(fixtures)
+            service = bench.service(evalset.tap, "fused")
+            try:
+                vectors, tokens = bench.vectors(service, fixtures), bench.tokens(service, fixtures)
+                gates = fit_gates(score_variants(service.router, fixtures, vectors, tokens, grid), fit_rows,
+                                  grid=grid, **LIMITS).point
+            finally:
+                service.close()
+            if gates is None:
+                continue
+            for value in values:
+                bench.learn_max = value
+                with loop_service(bench, evalset, gates, tuned=False) as service:
+                    before = gated(score_table(service.router, fixtures, vectors=vectors, tokens=tokens),
+                                   held_rows, gates)
+                    traffic = correct(service, fixtures, fit_rows)
+                    assert service.learned is not None
+                    per_capability = Counter((e.capability, e.kind) for e in service.learned.entries())
+                    after = gated(score_table(service.router, fixtures, vectors=vectors, tokens=tokens),
+                                  held_rows, gates)
+                row = {"set": evalset.name, "learn_max": value, "gates": gates.as_dict(), "before": before,
+                       "after": after, "traffic": traffic, "kept": sum(per_capability.values()),
+                       "most_kept_per_capability": max(per_capability.values(), default=0)}
+                report["results"].append(row)
+                print(f"{evalset.name:20s} learn_max {value:>4}: kept {row['kept']} (most for one capability "
+                      f"{row['most_kept_per_capability']}, of one kind); held-out fired_right "
+                      f"{before['fired_right']:.3f} -> {after['fired_right']:.3f}, fired_wrong "
+                      f"{after['fired_wrong']:.3f}, null_fpr {after['null_fpr']}, "
+                      f"top1 {before['top1']:.3f} -> {after['top1']:.3f}", flush=True)
+            bench.learn_max = None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
