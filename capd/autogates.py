@@ -196,6 +196,16 @@ def choose(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded,
     ``grid``: the gates swept (research harnesses pass others)."""
     if len(examples.labels) * len(examples.names) > fused.HEAD_BUDGET:
         return None
+    table = evidence(examples, corpus, corpus_embedded)
+    if table is None:
+        return None
+    point, _ = best_point({fused.TOP_K: table}, max_null_fpr=AUTO_NULL_RATE, max_wrong=AUTO_MAX_WRONG, grid=grid)
+    return point
+
+
+def evidence(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded) -> ScoreTable | None:
+    """What the auto gates are chosen on: the examples scored out of fold (positives) and the
+    corpus messages that stay nulls, scored by the rule's head (None: nothing can be held out)."""
     rows, fused_rows, level_rows, coverage_rows = out_of_fold(examples)
     if not len(rows):
         return None
@@ -210,11 +220,9 @@ def choose(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedded,
                 + [Fixture(m, (), "null", "abstain corpus") for m, keep in zip(corpus, nulls, strict=True) if keep])
     expected = np.zeros((len(fixtures), len(names)), dtype=bool)
     expected[np.arange(len(rows)), examples.labels[rows]] = True
-    table = ScoreTable(tuple(fixtures), names, np.vstack([fused_rows, null_scores.fused[nulls]]),
-                       np.ones(len(fixtures), dtype=bool), expected, np.vstack([level_rows, null_scores.level[nulls]]),
-                       coverage=np.concatenate([coverage_rows, null_scores.winner_coverage[nulls]]))
-    point, _ = best_point({fused.TOP_K: table}, max_null_fpr=AUTO_NULL_RATE, max_wrong=AUTO_MAX_WRONG, grid=grid)
-    return point
+    return ScoreTable(tuple(fixtures), names, np.vstack([fused_rows, null_scores.fused[nulls]]),
+                      np.ones(len(fixtures), dtype=bool), expected, np.vstack([level_rows, null_scores.level[nulls]]),
+                      coverage=np.concatenate([coverage_rows, null_scores.winner_coverage[nulls]]))
 
 
 def auto_gates(examples: Examples, corpus: Sequence[str], embed_corpus: Callable[[Sequence[str]], Embedded],

@@ -54,9 +54,10 @@ from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench
 from capd import autogates, fused
 from capd.calibrate import FUSED_GRID, split
 from capd.encoder import open_encoder
-from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
+from capd.evaluation import apply_gates, metrics, score_table
 from capd.fixtures import load_fixtures
 from capd.router import abstain_corpus
+from capd.service import Service
 from capd.settings import Settings
 
 Candidate = tuple[float, float, float, str]  # (null rate, level cut, max wrong, coverage axis "on"/"off")
@@ -160,9 +161,8 @@ def generated(size: int, counts: list[int], bench: Bench, corpus: Sequence[str])
     if primed.is_file():
         data_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy2(primed, data_dir / primed.name)
+    # not bench.service(): the bench's services share one data dir, and this one needs no auto gates
     settings = Settings(taps=(tap,), rule="fused", data_dir=data_dir, auto_gates=False)
-    from capd.service import Service  # the bench's services share one data dir; this one has its own
-
     service = Service(settings, encoder=bench.encoder).start()
     try:
         router = service.router
@@ -173,16 +173,8 @@ def generated(size: int, counts: list[int], bench: Bench, corpus: Sequence[str])
         shipped, runs = autogates.AUTO_MIN_SCORED, []
         try:
             autogates.AUTO_MIN_SCORED = len(examples.labels)  # every fold: the reference rows
-            rows, fused_rows, level_rows, _ = autogates.out_of_fold(examples)
-            null_scores = autogates._score(examples.head, examples, np.arange(len(examples.labels)),
-                                           np.asarray(embedded[0], np.float32), corpus, embedded[1])
-            nulls = null_scores.winner_level < autogates.CORPUS_LEVEL_CUT
-            count = len(rows) + int(nulls.sum())
-            expected = np.zeros((count, len(examples.names)), dtype=bool)
-            expected[np.arange(len(rows)), examples.labels[rows]] = True
-            reference = ScoreTable(tuple(range(count)), examples.names,  # type: ignore[arg-type]
-                                   np.vstack([fused_rows, null_scores.fused[nulls]]), np.ones(count, dtype=bool),
-                                   expected, np.vstack([level_rows, null_scores.level[nulls]]))
+            reference = autogates.evidence(examples, corpus, embedded)
+            assert reference is not None
             sizes = np.cumsum(fold_sizes(examples))
             for value in sorted({*(int(sizes[c - 1]) for c in {*counts, autogates.AUTO_FOLDS}), shipped}):
                 autogates.AUTO_MIN_SCORED = value
