@@ -41,7 +41,6 @@ import itertools
 import json
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,10 +49,19 @@ from typing import Any
 import numpy as np
 
 from benchmarks import gen_tap
-from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
+from benchmarks.quality.run import (
+    CACHE,
+    EVALSETS,
+    LIMITS,
+    RESULTS,
+    SETS,
+    Bench,
+    find_sets,
+    gated,
+    trial_bench,
+)
 from capd import autogates, fused
 from capd.calibrate import FUSED_GRID, split
-from capd.encoder import open_encoder
 from capd.evaluation import apply_gates, metrics, score_table
 from capd.fixtures import load_fixtures
 from capd.router import abstain_corpus
@@ -224,11 +232,8 @@ def main(argv: list[str]) -> None:
     costs: dict[str, dict[str, float]] = {}
     carried: dict[str, list[dict[str, Any]]] = {}
     folds: dict[str, Any] = {}
-    CACHE.mkdir(parents=True, exist_ok=True)
-    encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
     corpus = abstain_corpus()
-    with tempfile.TemporaryDirectory(prefix="capd-autogates-") as scratch:
-        bench = Bench(encoder, Path(scratch), manifest_info()["gates"])
+    with trial_bench("autogates") as bench:
         for evalset in found:
             fixtures = load_fixtures(evalset.fixture_files)
             fit_rows, held_rows = split(fixtures)

@@ -27,21 +27,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
+from benchmarks.quality.run import (
+    EVALSETS,
+    LIMITS,
+    RESULTS,
+    SETS,
+    find_sets,
+    gated,
+    trial_bench,
+)
 from capd import calibrate
 from capd.calibrate import Grid, best_point, fit_gates, grid_for, score_variants, split, sweep
-from capd.encoder import open_encoder
 from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import load_fixtures
 from capd.router import Gates
-from capd.settings import Settings
 
 MODES = ("plain", "spare", "wilson", "erode")
 
@@ -117,10 +122,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     gains = [float(g) for g in args.corpus_gains.split(",") if g.strip()]
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
     report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
-    CACHE.mkdir(parents=True, exist_ok=True)
-    encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
-    with tempfile.TemporaryDirectory(prefix="capd-calibration-") as scratch:
-        bench = Bench(encoder, Path(scratch), manifest_info()["gates"], tuned_root=CACHE / "tuned")
+    with trial_bench("calibration", tuned=True) as bench:
         for evalset in found:
             fixtures = load_fixtures(evalset.fixture_files)
             fit_rows, held_rows = split(fixtures)

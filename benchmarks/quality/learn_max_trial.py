@@ -17,28 +17,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from benchmarks.quality.run import (
-    CACHE,
     EVALSETS,
     LIMITS,
     RESULTS,
-    Bench,
     correct,
     find_sets,
     gated,
     loop_service,
-    manifest_info,
+    trial_bench,
 )
 from capd.calibrate import fit_gates, grid_for, score_variants, split
-from capd.encoder import open_encoder
 from capd.evaluation import score_table
 from capd.fixtures import load_fixtures
-from capd.settings import Settings
 
 
 def main(argv: list[str]) -> dict[str, Any]:
@@ -50,11 +45,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
     values = [int(v) for v in args.values.split(",") if v.strip()]
     report: dict[str, Any] = {"skipped": skipped, "results": []}
-    CACHE.mkdir(parents=True, exist_ok=True)
-    encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
     grid = grid_for("fused")
-    with tempfile.TemporaryDirectory(prefix="capd-learn-max-") as scratch:
-        bench = Bench(encoder, Path(scratch), manifest_info()["gates"])
+    with trial_bench("learn-max") as bench:
         for evalset in found:
             fixtures = load_fixtures(evalset.fixture_files)
             fit_rows, held_rows = split(fixtures)

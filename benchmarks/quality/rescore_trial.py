@@ -17,19 +17,24 @@ import argparse
 import dataclasses
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import CACHE, EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, manifest_info
+from benchmarks.quality.run import (
+    EVALSETS,
+    LIMITS,
+    RESULTS,
+    SETS,
+    find_sets,
+    gated,
+    trial_bench,
+)
 from capd import fused
 from capd.calibrate import best_point, grid_for, split
-from capd.encoder import open_encoder
 from capd.evaluation import score_table
 from capd.fixtures import load_fixtures
-from capd.settings import Settings
 
 
 def main(argv: list[str]) -> None:
@@ -42,11 +47,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "skipped": skipped, "results": []}
-    CACHE.mkdir(parents=True, exist_ok=True)
-    encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
     shipped = fused.RESCORE_CANDIDATES
-    with tempfile.TemporaryDirectory(prefix="capd-rescore-") as scratch:
-        bench = Bench(encoder, Path(scratch), manifest_info()["gates"], tuned_root=CACHE / "tuned")
+    with trial_bench("rescore", tuned=True) as bench:
         for evalset in found:
             fixtures = load_fixtures(evalset.fixture_files)
             fit_rows, held_rows = split(fixtures)

@@ -162,6 +162,17 @@ class Bench:
         return [self.token_memo[model, clean_message(f.message, router.min_chars)[0]] for f in fixtures]
 
 
+@contextmanager
+def trial_bench(name: str, tuned: bool = False) -> Iterator[Bench]:
+    """A research harness's bench: the bundled model (its export cached under :data:`CACHE`), a
+    scratch data directory removed afterwards, and with ``tuned`` the tuned models ``make quality``
+    cached (tuned on first use)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
+    with tempfile.TemporaryDirectory(prefix=f"capd-{name}-") as scratch:
+        yield Bench(encoder, Path(scratch), manifest_info()["gates"], tuned_root=CACHE / "tuned" if tuned else None)
+
+
 def gated(table: ScoreTable, rows: np.ndarray | None, gates: Point | Gates) -> dict[str, Any]:
     """Metrics of ``rows`` of ``table`` (None: all) at ``gates`` (threshold, margin, coverage)."""
     sub = table if rows is None else table.subset(rows)
