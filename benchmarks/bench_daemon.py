@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -326,8 +327,8 @@ def scoring(size: int, encoder: Encoder, data_dir: Path, messages: list[str]) ->
         anchor(query)
         index.top_capabilities(query, TOP_K, 5)
     return {"triggers": len(texts), "embedded_for_scoring": embedded,
-            "capd_top5": stats([timed(lambda q=q: index.top_capabilities(q, TOP_K, 5)) for q in queries]),
-            "anchor_brute": stats([timed(lambda q=q: anchor(q)) for q in queries])}
+            "capd_top5": stats([timed(partial(index.top_capabilities, q, TOP_K, 5)) for q in queries]),
+            "anchor_brute": stats([timed(partial(anchor, q)) for q in queries])}
 
 
 def torch_bare(plan: Plan, settings: Settings, messages: list[str]) -> tuple[Encoder, dict[str, Any]]:

@@ -183,7 +183,7 @@ def research_lines(out: Path) -> list[str]:
         start = next((i for i, line in enumerate(text) if line.startswith(heading)), None)
         if start is None:
             return []
-        body = []
+        body: list[str] = []
         for line in text[start + 1:]:
             if line.startswith("#") or (body and not line.strip()):
                 break

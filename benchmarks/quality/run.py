@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -52,10 +52,11 @@ from capd.calibrate import Point, fit_gates, grid_for, score_variants, split
 from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
+from capd.learned import MAX_PER_CAPABILITY
 from capd.models import manifest_for
 from capd.router import Gates
 from capd.service import Service
-from capd.settings import Settings
+from capd.settings import DEFAULT_MODEL, Settings
 from capd.text import clean_message
 from capd.tuning import MARKER
 
@@ -69,7 +70,16 @@ SETS = (*SHARED_SETS, "core")
 FEEDBACK_SETS = SETS
 RULES = ("anchor", "fused")
 TUNED = tuple(f"{rule}+tuned" for rule in RULES)  # the same rules with `tune = true` (capd/tuning.py)
-LIMITS = {"max_null_fpr": 0.05, "max_wrong": 0.03}
+
+
+class Limits(TypedDict):
+    """The issue's limits, as :func:`capd.calibrate.best_point` takes them."""
+
+    max_null_fpr: float
+    max_wrong: float
+
+
+LIMITS: Limits = {"max_null_fpr": 0.05, "max_wrong": 0.03}
 GOAL = {"top1": 0.90, "fired_right": 0.80, "fired_wrong": 0.03, "null_fpr": 0.05}  # >=, >=, <=, <=
 METRICS = ("top1", "fired_right", "fired_wrong", "null_fpr")
 TIMED_MESSAGES = 200
@@ -133,8 +143,7 @@ class Bench:
         elif sessions and (self.scratch / "shared" / "heads").is_dir():  # fitted heads are keyed by content
             shutil.copytree(self.scratch / "shared" / "heads", data_dir / "heads")
         settings = Settings(taps=(tap,), rule=rule, data_dir=data_dir, threshold=gates.threshold if gates else None,
-                            **({"model": self.model} if self.model else {}),
-                            **({"learn_max": self.learn_max} if self.learn_max else {}),
+                            model=self.model or DEFAULT_MODEL, learn_max=self.learn_max or MAX_PER_CAPABILITY,
                             margin=gates.margin if gates else None,
                             abstain_corpus=gates.abstain_corpus if gates else None, tune=tuned_as is not None)
         return Service(settings, encoder=self.encoder, sessions=sessions).start()
@@ -182,7 +191,7 @@ def gated(table: ScoreTable, rows: np.ndarray | None, gates: Point | Gates) -> d
 def manifest_info(model: str | None = None) -> dict[str, Any]:
     """The model manifest's default gates per rule (what a tap without ``capd.toml`` gets), and the
     manifest's own comment on how the fused defaults were chosen."""
-    manifest = manifest_for(Settings(taps=(), **({"model": model} if model else {})))
+    manifest = manifest_for(Settings(taps=(), model=model or DEFAULT_MODEL))
     note: list[str] = []
     if manifest.path is not None and manifest.path.is_file():
         lines = manifest.path.read_text(encoding="utf-8").splitlines()
@@ -395,7 +404,7 @@ def measure(names: Sequence[str], evalsets: Path, feedback_sets: Sequence[str], 
     cache = CACHE if model is None else CACHE / "models" / Path(model).name
     if encoder is None:
         cache.mkdir(parents=True, exist_ok=True)
-        encoder = open_encoder(Settings(data_dir=cache, taps=(), **({"model": model} if model else {})))
+        encoder = open_encoder(Settings(data_dir=cache, taps=(), model=model or DEFAULT_MODEL))
     result["model"] = encoder.model_id
     result["manifest"] = manifest_info(model)
     with tempfile.TemporaryDirectory(prefix="capd-quality-") as temporary:
