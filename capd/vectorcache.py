@@ -10,6 +10,10 @@ Failure policy (losing the cache only costs time, so it never stops capd):
 - a corrupt file, or a foreign one (another program's SQLite database, or a different
   schema version), is renamed to ``vectors.sqlite3.corrupt-<timestamp>`` with a logged
   warning, and a fresh cache is created in its place;
+- a file another process holds locked while this one opens it ("database is locked": SQLite
+  does not always wait in its busy handler, e.g. while another process switches the file to
+  WAL or recovers it) is never taken for a corrupt one: opening retries for up to
+  ``OPEN_RETRY_S``, then falls back like an unwritable directory, leaving the file as it is;
 - a data directory that cannot be written (read-only, or not creatable) gives an
   in-memory cache for this process, with a logged warning; ``persistent`` is then False.
   It still de-duplicates within the process; nothing is kept.
@@ -42,6 +46,8 @@ CACHE_FILE = "vectors.sqlite3"
 APPLICATION_ID = 0x63617064  # "capd": marks the file as ours
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 60.0
+OPEN_RETRY_S = BUSY_TIMEOUT_S  # how long opening retries a file another process holds locked
+OPEN_RETRY_PAUSE_S = 0.05
 CHUNK = 500  # SQL parameters per statement
 LOOKUP_SLICE = 4096  # texts looked up at a time by CachedEmbedder
 
@@ -128,18 +134,28 @@ class VectorCache:
 
     @staticmethod
     def _connect(path: Path) -> sqlite3.Connection:
-        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-        try:
-            _check_or_init(conn, path)
-        except _Unusable:
-            conn.close()
-            raise
-        except sqlite3.DatabaseError as exc:
-            conn.close()
-            if isinstance(exc, sqlite3.OperationalError) and _is_access_error(exc):
-                raise CacheError(f"{path}: cannot open the vector cache: {exc}") from None
-            raise _Unusable(f"not a readable SQLite database ({exc})") from None
-        return conn
+        """A checked connection; a file held locked by another process is waited for, never set aside."""
+        deadline = time.monotonic() + OPEN_RETRY_S
+        while True:
+            conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            try:
+                _check_or_init(conn, path)
+                return conn
+            except _Unusable:
+                conn.close()
+                raise
+            except sqlite3.DatabaseError as exc:
+                conn.close()
+                if not isinstance(exc, sqlite3.OperationalError):
+                    raise _Unusable(f"not a readable SQLite database ({exc})") from None
+                if _is_busy(exc):
+                    if time.monotonic() < deadline:
+                        time.sleep(OPEN_RETRY_PAUSE_S)
+                        continue
+                    raise CacheError(f"{path}: the vector cache stayed locked by another process: {exc}") from None
+                if _is_access_error(exc):
+                    raise CacheError(f"{path}: cannot open the vector cache: {exc}") from None
+                raise _Unusable(f"not a readable SQLite database ({exc})") from None
 
     @staticmethod
     def _set_aside(path: Path, why: str) -> None:
@@ -252,6 +268,15 @@ def _in_transaction(conn: sqlite3.Connection, immediate: bool, operation: Callab
         raise
     conn.execute("COMMIT")
     return result
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY / SQLITE_LOCKED: another connection holds the file. Transient, never corruption."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    text = str(exc).lower()
+    return "database is locked" in text or "database table is locked" in text or "busy" in text
 
 
 def _is_access_error(exc: sqlite3.OperationalError) -> bool:

@@ -8,12 +8,14 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from capd import vectorcache
 from capd.encoder import HashEncoder, Vectors
 from capd.vectorcache import CACHE_FILE, CachedEmbedder, VectorCache, text_hash
 
@@ -160,6 +162,66 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
         for proc in procs:
             assert proc.wait(timeout=60) == 0
         assert cache.counts() == {"m": 3 * 40 * 25}
+
+
+class _Holder:
+    """Another connection holding the cache file exclusively (readers get "database is locked"
+    at once, as while another process switches the file to WAL), released after ``seconds``."""
+
+    def __init__(self, path: Path, seconds: float) -> None:
+        self.path, self.seconds = path, seconds
+        self.held = threading.Event()
+        self.thread = threading.Thread(target=self._hold)
+
+    def _hold(self) -> None:
+        conn = sqlite3.connect(self.path, isolation_level=None)
+        conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+        conn.execute("BEGIN EXCLUSIVE")
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        self.held.set()
+        time.sleep(self.seconds)
+        conn.execute("COMMIT")
+        conn.close()
+
+    def __enter__(self) -> _Holder:
+        self.thread.start()
+        self.held.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join()
+
+
+def _filled(data_dir: Path) -> None:
+    with VectorCache.open(data_dir) as cache:
+        cache.put_many("m", [("a", np.ones(4, dtype=np.float32))])
+
+
+def test_a_file_locked_while_opening_is_waited_for_not_set_aside(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lock is not corruption: opening waits it out and keeps every vector (it used to move the
+    file aside as "not a readable SQLite database (database is locked)" and start empty)."""
+    _filled(tmp_path)
+    monkeypatch.setattr(vectorcache, "BUSY_TIMEOUT_S", 0.05)  # SQLite's own wait, per statement
+    with _Holder(tmp_path / CACHE_FILE, 0.5), VectorCache.open(tmp_path) as cache:
+        assert cache.persistent
+        assert cache.counts() == {"m": 1}
+    assert not list(tmp_path.glob("*.corrupt-*"))
+
+
+def test_a_file_locked_past_the_retry_window_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    _filled(tmp_path)
+    monkeypatch.setattr(vectorcache, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(vectorcache, "OPEN_RETRY_S", 0.2)
+    with caplog.at_level(logging.WARNING, logger="capd.vectorcache"), _Holder(tmp_path / CACHE_FILE, 1.0):
+        cache = VectorCache.open(tmp_path)
+        assert not cache.persistent  # this process works from memory; the file is not touched
+        cache.close()
+    assert "stayed locked by another process" in caplog.text
+    assert not list(tmp_path.glob("*.corrupt-*"))
+    with VectorCache.open(tmp_path) as cache:
+        assert cache.counts() == {"m": 1}
 
 
 def test_corrupt_file_is_set_aside_and_rebuilt(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
