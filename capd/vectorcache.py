@@ -272,11 +272,8 @@ def _in_transaction(conn: sqlite3.Connection, immediate: bool, operation: Callab
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
     """SQLITE_BUSY / SQLITE_LOCKED: another connection holds the file. Transient, never corruption."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    if isinstance(code, int):
-        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-    text = str(exc).lower()
-    return "database is locked" in text or "database table is locked" in text or "busy" in text
+    code = getattr(exc, "sqlite_errorcode", 0)  # set on every error sqlite3 raises (Python >= 3.11)
+    return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def _is_access_error(exc: sqlite3.OperationalError) -> bool:
