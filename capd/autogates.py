@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from capd import fused
+from capd import atomic, fused
 from capd.calibrate import FUSED_GRID, Grid, Point, best_point
 from capd.encoder import Embedded, TokenVectors
 from capd.evaluation import ScoreTable
@@ -255,9 +255,7 @@ def auto_gates(examples: Examples, corpus: Sequence[str], embed_corpus: Callable
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(fit.as_dict()), encoding="utf-8")
-            tmp.replace(path)
+            atomic.write_text(path, json.dumps(fit.as_dict()))
         except OSError as exc:  # a read-only data directory only costs a refit next start
             log.warning("cannot cache the auto gates in %s: %s", path.parent, exc)
     return fit

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from capd import fused
+from capd import atomic, fused
 from capd.encoder import TokenVectors
 from capd.errors import TapFileError
 from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
@@ -270,7 +270,5 @@ def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd"
         if values:
             lines += [header, *(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()),
                       ""]
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text("\n".join(lines), encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_text(path, "\n".join(lines))
     return path

@@ -45,6 +45,7 @@ import hashlib
 import logging
 import math
 import re
+import zipfile
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from capd.atomic import replacing
 from capd.encoder import Embedded, TokenVectors
 from capd.index import Ints
 
@@ -350,7 +352,7 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
                     tokens = ExampleTokens.from_rows(texts, labels, stored["token_rows"], stored["token_starts"],
                                                      columns)
                 over_budget = "over_token_budget" in stored
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # corrupt or truncated
             log.warning("ignoring unreadable fused head %s: %s", path, exc)
             in_class = None
     stale = in_class is None or in_class.shape != (columns,)
@@ -402,8 +404,7 @@ def _store(path: Path, in_class: Floats, weight: Floats | None, bias: Floats | N
         arrays["over_token_budget"] = np.array(True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(path)
+        with replacing(path) as tmp, tmp.open("wb") as handle:  # a handle: savez would append .npz to a name
+            np.savez(handle, **arrays)
     except OSError as exc:  # a read-only data directory only costs a refit next start
         log.warning("cannot cache the fused head in %s: %s", path.parent, exc)

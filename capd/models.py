@@ -42,13 +42,13 @@ import importlib
 import json
 import logging
 import os
-import tempfile
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from capd import atomic
 from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
 from capd.settings import Settings
 
@@ -399,10 +399,7 @@ def _load_stamps(stamp_file: Path) -> dict[str, Any]:
 def _save_stamps(stamp_file: Path, stamps: dict[str, Any]) -> None:
     try:
         stamp_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=stamp_file.parent, prefix=".verified-", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(stamps, handle, indent=1, sort_keys=True)
-        os.replace(tmp, stamp_file)
+        atomic.write_text(stamp_file, json.dumps(stamps, indent=1, sort_keys=True))
     except OSError as exc:  # a read-only data dir only costs a re-hash next time
         log.debug("cannot record weight verification in %s: %s", stamp_file, exc)
 

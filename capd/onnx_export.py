@@ -11,7 +11,7 @@ exporter that ships with torch needs nothing extra. The graph is checked against
 sample batch before it is published.
 
 Concurrency: two processes exporting at once take a file lock; the loser finds the finished
-export. The file appears atomically (temp file in the same directory, then ``os.replace``).
+export. The file appears atomically (:func:`capd.atomic.replacing`).
 A read-only data directory falls back to a per-process temporary directory, with a warning.
 
 Only :func:`export` imports torch / transformers; :func:`ensure_onnx` on an existing export
@@ -31,6 +31,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from capd import atomic
 from capd.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -96,22 +97,13 @@ def discard(directory: Path) -> None:
 
 def _export_into(model_dir: Path, weights_sha: str, directory: Path) -> Path:
     target = directory / MODEL_FILE
-    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=".model-", suffix=".onnx.tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
     started = time.perf_counter()
     log.info("exporting %s to ONNX (once; reused from %s afterwards)", model_dir, directory)
-    try:
+    with atomic.replacing(target) as tmp:
         info = export(model_dir, tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
     meta = {"weights_sha256": weights_sha, "recipe": EXPORT_RECIPE, "opset": OPSET, "source": str(model_dir),
             "seconds": round(time.perf_counter() - started, 3), **info}
-    fd, meta_tmp = tempfile.mkstemp(dir=directory, prefix=".export-", suffix=".json.tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(meta, handle, indent=1)
-    os.replace(meta_tmp, directory / META_FILE)
+    atomic.write_text(directory / META_FILE, json.dumps(meta, indent=1))
     log.info("ONNX export done in %.1f s", meta["seconds"])
     return target
 

@@ -205,9 +205,27 @@ def train(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE,
     shutil.rmtree(scratch, ignore_errors=True)
     model.save(str(scratch))
     (scratch / MARKER).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    scratch.replace(out)
+    publish(scratch, out)
     return summary
+
+
+def publish(scratch: Path, out: Path) -> None:
+    """Move a finished tuned model from ``scratch`` to ``out``.
+
+    The key names the result, so when another process (a daemon and a ``capd eval`` on one data
+    directory) finished the same tuning first, its copy stays (something may be loading it) and
+    this one is dropped. A leftover ``out`` without the marker is an interrupted copy: replaced.
+    """
+    if not is_tuned(out):
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            scratch.replace(out)
+            return
+        except OSError:  # another process's copy appeared in between
+            if not is_tuned(out):
+                raise
+    log.info("tuning: %s was finished by another process; keeping its copy", out)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE, timeout: float | None = None,

@@ -152,6 +152,27 @@ def test_example_tokens_are_cached_with_the_head_and_reused_on_reload(settings_f
         again.close()
 
 
+def test_a_damaged_head_file_is_refitted_not_fatal(settings_factory: SettingsFactory, tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The head's cache file is only a cache: cut short (a crash, a full disk) it costs a refit."""
+    tap = tmp_path / "tap"
+    write_capability(tap, "docker", ["list running containers", "restart a container"])
+    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    settings = settings_factory(taps=(tap,), rule="fused")
+    with closing(Service(settings, encoder=HashEncoder()).start()) as service:
+        assert service.router.head is not None
+        weight = service.router.head.weight
+    (cached,) = (settings.data_dir / "heads").glob("*.npz")
+    cached.write_bytes(cached.read_bytes()[:1000])
+    with closing(Service(settings, encoder=HashEncoder()).start()) as again:
+        assert again.router.head is not None and again.router.head.tokens is not None
+        np.testing.assert_allclose(again.router.head.weight, weight)
+        assert again.route("restart a container please").decision.capability == "docker"
+    assert "ignoring unreadable fused head" in caplog.text
+    with np.load(cached) as stored:  # written again, whole
+        assert stored["weight"].shape == weight.shape
+
+
 class _CountingPasses(_CountingTokens):
     """Every text the model is run on (HashEncoder's embed_tokens runs embed once)."""
 

@@ -23,7 +23,7 @@ from capd.encoder import Encoder
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
-from capd.tuning import MARKER, Batcher, batches, groups_for, is_tuned, pairs, prune, tuned_dir, tuning_key
+from capd.tuning import MARKER, Batcher, batches, groups_for, is_tuned, pairs, prune, publish, tuned_dir, tuning_key
 from tests.conftest import isolated_data_dir
 from tests.taputil import write_capability
 
@@ -78,6 +78,22 @@ def test_key_follows_the_examples_not_their_order(tmp_path: Path) -> None:
     assert tuning_key("other-weights", groups) != key
     edited = [(n, [*t[:-1], t[-1] + "!"]) if n == "docker" else (n, t) for n, t in groups]
     assert tuning_key("sha", edited) != key
+
+
+def test_a_tuning_finished_twice_keeps_the_first_copy(tmp_path: Path) -> None:
+    """Two processes tuning one key: the later one drops its copy, never deletes one in use."""
+    out = tuned_dir(tmp_path, "k")
+    out.parent.mkdir(parents=True)
+    out.mkdir()
+    (out / "model.safetensors").write_text("interrupted copy, no marker", encoding="utf-8")
+    for n in (1, 2):
+        scratch = tmp_path / "tuned" / f".k.{n}.tmp"
+        scratch.mkdir()
+        (scratch / "model.safetensors").write_text(f"weights {n}", encoding="utf-8")
+        (scratch / MARKER).write_text("{}", encoding="utf-8")
+        publish(scratch, out)
+        assert not scratch.exists()
+    assert is_tuned(out) and (out / "model.safetensors").read_text(encoding="utf-8") == "weights 1"
 
 
 def test_prune_keeps_the_most_recent_and_their_onnx_exports(tmp_path: Path) -> None:

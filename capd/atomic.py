@@ -1,0 +1,42 @@
+"""Replacing a file at once, safe against readers and against other writers.
+
+Every file capd writes outside SQLite (fitted heads, auto gates, model stamps, the ONNX export, a
+tap's ``capd.toml``) is written to a temporary file beside it and then renamed over it, so a reader
+sees the old file or the new one, never half of one. The temporary name is unique per write: two
+processes that fit the same head at once (a daemon and a ``capd eval`` on one data directory) each
+write their own file, and the last rename wins. With one shared temporary name their writes
+interleaved in one file, and a reader got a zip with a bad CRC.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Yield a fresh temporary path beside ``path``; on a clean exit it replaces ``path``.
+
+    The temporary file is created as a plain write would create it (mode 0666 less the umask);
+    the new file keeps the mode of the file it replaces. On an exception the temporary file is
+    removed and ``path`` is untouched. Raises OSError when the directory cannot be written.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        yield tmp
+        with suppress(FileNotFoundError):  # a new file keeps the mode it was created with
+            tmp.chmod(path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) at once (:func:`replacing`)."""
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
