@@ -336,8 +336,10 @@ def test_auto_gates_beat_the_manifest_default_without_seeing_a_fixture(fused_cor
     manifest = manifest_for(fused_core.settings)
     _, held = split(core_fixtures)
     rows = [core_fixtures[i] for i in held]
-    auto, _, _ = evaluate(router, rows)
-    default, _, _ = evaluate(router, rows, manifest.fused_threshold, manifest.fused_margin)
+    gates = fused_core.auto_gates
+    assert gates is not None
+    auto, _, _ = evaluate(router, rows, gates.threshold, gates.margin, gates.coverage)  # not the tap's capd.toml
+    default, _, _ = evaluate(router, rows, manifest.fused_threshold, manifest.fused_margin, manifest.fused_coverage)
     assert auto["fired_right"] >= default["fired_right"] + 0.1
     assert auto["null_fpr"] <= default["null_fpr"] and auto["fired_wrong"] <= 0.03
     reported = calibrate(router, core_fixtures, auto=fused_core.auto_gates)["auto_gates"]["held_out"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capd.router import Gates, Router, build_gatebook, gate
+from capd.router import GateBook, Gates, Router, build_gatebook, gate
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
@@ -54,7 +54,7 @@ def test_already_active_versus_anchor(core_service: Service) -> None:
     assert winner is not None
     again = capd.route(message, active={winner})
     assert again.decision == "already_active" and again.capability == winner
-    anchor = Router(capd.encoder, capd.index, capd.catalog, replace(capd.gates, default=Gates(0.0, 0.0, 3)),
+    anchor = Router(capd.encoder, capd.index, capd.catalog, GateBook(Gates(0.0, 0.0, 3)),
                     rule="anchor", min_chars=8)
     switched = anchor.route(message, active={winner})
     # The anchor only scores inactive capabilities, so a runner-up is activated instead.

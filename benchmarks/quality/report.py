@@ -78,6 +78,10 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
             g = gates_text(r["auto"]["gates"], rule)
             lines.append(row(f"{rule}, auto gates (no fixtures)", g, "held-out", r["auto"]["held_out"]))
             lines.append(row(f"{rule}, auto gates (no fixtures)", g, "fit", r["auto"]["fit"]))
+        if "tap_gates" in r:  # the tap's capd.toml, fitted on other messages (taps/core/calibration)
+            g = gates_text(r["tap_gates"]["gates"], rule)
+            lines.append(row(f"**{rule}, the tap's capd.toml**", g, "**held-out**", r["tap_gates"]["held_out"]))
+            lines.append(row(f"{rule}, the tap's capd.toml", g, "all rows (none seen)", r["tap_gates"]["all"]))
         if "calibrated" in r:
             g = gates_text(r["calibrated"]["gates"], rule)
             lines.append(row(f"**{rule}, calibrated on fit part**", g, "**held-out**", r["calibrated"]["held_out"]))

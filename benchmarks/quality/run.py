@@ -221,6 +221,15 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
         table = tables[auto.top_k]
         out["auto"] = {"gates": auto.as_dict(), "held_out": gated(table, held_rows, auto),
                        "fit": gated(table, fit_rows, auto)}
+    tap = service.settings.taps[0]
+    config = router.catalog.tap_configs.get(tap)
+    # the tap's own gates, calibrated apart from these rows (taps/core), when in force for this rule and model
+    if config is not None and config.gates_for(router.rule) and tap in router.gates.by_tap:
+        shipped = router.gates.for_tap(tap)
+        table = tables[shipped.top_k]
+        out["tap_gates"] = {"gates": {"threshold": shipped.threshold, "margin": shipped.margin,
+                                      "top_k": shipped.top_k, "coverage": shipped.coverage},
+                            "held_out": gated(table, held_rows, shipped), "all": gated(table, None, shipped)}
     fitted = fit_gates(variants, fit_rows, grid=grid, **LIMITS)  # what `capd calibrate` does
     out["abstain_corpus"] = fitted.corpus
     if (calibrated := fitted.point) is not None:
