@@ -103,6 +103,14 @@ def _error(status: int, error: str, detail: Any, headers: dict[str, str] | None 
     return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised by the guard's ``receive`` once a body passes ``MAX_BODY_BYTES``. An HTTP exception
+    because FastAPI re-raises those from body reading (any other one becomes a 400)."""
+
+    def __init__(self) -> None:
+        super().__init__(413, f"request body over {MAX_BODY_BYTES} bytes")
+
+
 def _install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -111,7 +119,7 @@ def _install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Routing and body-parsing errors (404, 405, unreadable JSON) get capd's shape too.
-        codes = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
+        codes = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
         return _error(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
                       dict(exc.headers) if exc.headers else None)
 
@@ -167,6 +175,17 @@ class _Guard:
             return
         status = 500
         started = False
+        received = 0
+
+        async def receive_counting() -> Message:
+            # A chunked body has no Content-Length: count what actually arrives.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    raise _BodyTooLarge()
+            return message
 
         async def send_noting_status(message: Message) -> None:
             nonlocal status, started
@@ -175,7 +194,12 @@ class _Guard:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_noting_status)
+            await self.app(scope, receive_counting, send_noting_status)
+        except _BodyTooLarge as exc:  # read outside a route's handlers (they answer it themselves)
+            if started:
+                raise
+            status = 413
+            await _error(413, "too_large", str(exc.detail))(scope, receive, send)
         except Exception:  # a bug, not bad input: log it, answer JSON
             log.exception("internal error on %s %s", scope["method"], scope["path"])
             if started:

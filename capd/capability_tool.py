@@ -46,7 +46,7 @@ def run_capability_call(service: Service, session: str, action: str, name: str |
                  for c in service.catalog_now()]
         return {"text": "Capabilities (* = active):\n" + "\n".join(lines), "plan": None}
     if action == "discover":
-        if not intent:
+        if not intent or intent.isspace():
             return {"text": "discover needs an 'intent'.", "plan": None, "error": "missing_intent"}
         found = service.discover(intent, 5)
         lines = [f"{n} ({s:.2f})" for n, s in found]

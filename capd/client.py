@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from capd.errors import ClientError, DaemonUnreachable, UnknownCapability, UnknownSession
+from capd.errors import CapdError, ClientError, DaemonUnreachable, UnknownCapability, UnknownSession
 
 
 class ApiError(ClientError):
@@ -27,6 +27,21 @@ class ApiError(ClientError):
         self.status = status
         self.error = error
         self.detail = detail
+
+
+def _error(response: httpx.Response, session: str | None, name: object) -> CapdError:
+    """The exception for an error answer; the typed ones are built from the id or name asked about
+    (their message says "unknown session 'x'" by itself; the daemon's detail would say it twice)."""
+    try:
+        payload = response.json()
+        error, detail = str(payload.get("error")), str(payload.get("detail"))
+    except ValueError:
+        error, detail = "http_error", response.text[:200]
+    if error == "unknown_session" and session is not None:
+        return UnknownSession(session)
+    if error == "unknown_capability" and isinstance(name, str):
+        return UnknownCapability(name)
+    return ApiError(response.status_code, error, detail)
 
 
 class CapdClient:
@@ -49,23 +64,15 @@ class CapdClient:
         self._http.close()
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
-              params: dict[str, str] | None = None) -> Any:
+              params: dict[str, str] | None = None, session: str | None = None) -> Any:
+        """One request; ``session`` is the session id in ``path``, for :class:`UnknownSession`."""
         try:
             response = self._http.request(method, path, json=body, params=params)
         except httpx.TransportError as exc:
             raise DaemonUnreachable(f"no capd daemon answering at {self._where} ({exc.__class__.__name__}); "
                                     "start one with `capd serve` (or `make serve` in a checkout)") from None
         if response.status_code >= 400:
-            try:
-                payload = response.json()
-                error, detail = str(payload.get("error")), str(payload.get("detail"))
-            except ValueError:
-                error, detail = "http_error", response.text[:200]
-            if error == "unknown_session":
-                raise UnknownSession(detail)
-            if error == "unknown_capability":
-                raise UnknownCapability(detail)
-            raise ApiError(response.status_code, error, detail)
+            raise _error(response, session, (body or {}).get("name"))
         if response.headers.get("content-type", "").startswith("application/json"):
             return response.json()
         return response.text
@@ -89,24 +96,24 @@ class CapdClient:
         return result
 
     def session(self, session: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("GET", f"/v1/sessions/{session}")
+        result: dict[str, Any] = self._call("GET", f"/v1/sessions/{session}", session=session)
         return result
 
     def drop(self, session: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("DELETE", f"/v1/sessions/{session}")
+        result: dict[str, Any] = self._call("DELETE", f"/v1/sessions/{session}", session=session)
         return result
 
     def enable(self, session: str, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/enable", {"name": name})
+        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/enable", {"name": name}, session=session)
         return result
 
     def disable(self, session: str, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/disable", {"name": name})
+        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/disable", {"name": name}, session=session)
         return result
 
     def tool_result(self, session: str, server: str, tool: str, ok: bool) -> list[str]:
         result: list[str] = self._call("POST", f"/v1/sessions/{session}/tool-result",
-                                       {"server": server, "tool": tool, "ok": ok})["bumped"]
+                                       {"server": server, "tool": tool, "ok": ok}, session=session)["bumped"]
         return result
 
     def reload(self) -> dict[str, Any]:
@@ -120,5 +127,5 @@ class CapdClient:
     def capability_call(self, session: str, action: str, name: str | None = None,
                         intent: str | None = None) -> dict[str, Any]:
         body = {"action": action, "name": name, "intent": intent}
-        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/capability", body)
+        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/capability", body, session=session)
         return result

@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from capd.errors import ModelError
-from capd.models import ResolvedModel, manifest_for, resolve
+from capd.models import ResolvedModel, manifest_for, quiet_progress_bars, resolve
 from capd.onnx_export import discard, ensure_onnx
 from capd.settings import Settings
 
@@ -269,12 +269,7 @@ class TorchEncoder(_ModelEncoder):
                  query_prefix: str = "", max_seq_length: int = 256, batch_size: int = DEFAULT_BATCH) -> None:
         from sentence_transformers import SentenceTransformer
 
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        except ImportError:  # pragma: no cover - transformers ships with sentence-transformers
-            pass
+        quiet_progress_bars()
         try:
             self._model = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
         except (OSError, ValueError) as exc:

@@ -450,3 +450,11 @@ def availability(manifest: ModelManifest, hf_cache: Path | None = None) -> tuple
         return True, str(locate(manifest, hf_cache))
     except ModelError as exc:
         return False, str(exc)
+
+
+def quiet_progress_bars() -> None:
+    """Turn off transformers' progress bars before it loads a model: every load otherwise draws
+    "Loading weights: 100%|…" on stderr, where capd writes only errors (the daemon's log included)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]

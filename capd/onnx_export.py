@@ -33,6 +33,7 @@ from filelock import FileLock, Timeout
 
 from capd import atomic
 from capd.errors import ModelError
+from capd.models import quiet_progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def export(model_dir: Path, out: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModel
 
+    quiet_progress_bars()
     try:
         model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -455,9 +455,10 @@ class Router:
             f"{gates.margin:.2f} (margin {gap:.2f}){covered}", name, level, gap, candidates)
 
     def discover(self, intent: str, limit: int = DISCOVER_LIMIT) -> list[tuple[str, float]]:
-        """Top ``limit`` capabilities for an intent, no gates (tags stripped, no length gate)."""
+        """Top ``limit`` capabilities for an intent, no gates (tags stripped, no length gate; an
+        intent of only whitespace is empty)."""
         text, _ = clean_message(intent, 0)
-        if not text:
+        if not text.strip():
             return []
         vector, tokens = self.embed(text)
         return self.rank(vector, limit, text, tokens)
@@ -465,7 +466,7 @@ class Router:
     def explain(self, message: str, limit: int = DISCOVER_LIMIT) -> list[dict[str, Any]]:
         """Per capability (best first): its score and the top-k examples with their cosines."""
         text, _ = clean_message(message, 0)
-        if not text:
+        if not text.strip():
             return []
         vector, tokens = self.embed(text)
         out = []

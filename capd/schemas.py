@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Path
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
 from capd.catalog import CapabilityKind, Severity
 from capd.router import DecisionKind
@@ -30,27 +30,43 @@ def _json_integer(value: object) -> object:
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 
 
-class RouteBody(BaseModel):
+class _In(BaseModel):
+    """A request body. Its strings must be Unicode text: JSON lets ``\\ud800`` escape a lone
+    surrogate, which no encoder, tokenizer or UTF-8 log line accepts (a 422 here, not a 500 later)."""
+
+    @field_validator("*")
+    @classmethod
+    def _text(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"not Unicode text: a lone surrogate (\\u{ord(value[exc.start]):04x}) at "
+                                 f"character {exc.start}") from None
+        return value
+
+
+class RouteBody(_In):
     session: SessionId | None = Field(None, description="The agent's session id; omit to route without a session.")
     message: str = Field(..., description="The user's message (tags are stripped before routing).")
 
 
-class DiscoverBody(BaseModel):
+class DiscoverBody(_In):
     intent: str = Field(..., description="What the user wants to do.")
     limit: JsonInt = Field(5, ge=1, le=100)
 
 
-class NameBody(BaseModel):
+class NameBody(_In):
     name: str = Field(..., min_length=1, max_length=128)
 
 
-class ToolResultBody(BaseModel):
+class ToolResultBody(_In):
     tool: str = Field(..., min_length=1, max_length=256)
     server: str = Field(..., min_length=1, max_length=256)
     ok: StrictBool  # not 1, "yes" or "true"
 
 
-class CapabilityCall(BaseModel):
+class CapabilityCall(_In):
     action: Literal["list", "discover", "enable", "disable"]
     name: str | None = Field(None, max_length=128)
     intent: str | None = None

@@ -275,9 +275,18 @@ class Service:
                 self._schedule_tuning()
         for problem in catalog.errors:
             log.error("tap error: %s", problem)
+        self._warn_unknown_pinned(catalog)
         return {"capabilities": len(catalog), "added": list(report.added), "removed": list(report.removed),
                 "changed": list(report.changed), "embedded": report.embedded, "cached": report.cached,
                 "errors": [p.as_dict() for p in catalog.errors]}
+
+    def _warn_unknown_pinned(self, catalog: Catalog) -> None:
+        """A pinned name the catalog lacks is ignored until a tap provides it (taps reload live, so
+        not an error), but a typo there must not go unnoticed."""
+        unknown = [name for name in self.settings.pinned if catalog.get(name) is None]
+        if unknown and self.registry is not None:
+            log.warning("pinned capability not in the catalog, ignored until a tap provides it: %s",
+                        ", ".join(unknown))
 
     def _publish(self, catalog: Catalog) -> SyncReport:
         """Index ``catalog``'s examples for the rule and swap in a router for it (under the lock)."""

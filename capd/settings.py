@@ -178,6 +178,20 @@ def _positive_int(value: object) -> int:
     return number
 
 
+def _non_negative_int(value: object) -> int:
+    number = _as_int(value)
+    if number < 0:
+        raise ValueError("must be 0 or more")
+    return number
+
+
+def _seconds(value: object) -> float:
+    number = _as_float(value)
+    if not number > 0:  # NaN too
+        raise ValueError("must be a positive number of seconds")
+    return number
+
+
 def _port(value: object) -> int:
     number = _as_int(value)
     if not 0 <= number <= 65535:
@@ -224,9 +238,9 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "coverage": _coverage,
     "auto_gates": _as_bool,
     "max_active": _positive_int,
-    "min_chars": _as_int,
+    "min_chars": _non_negative_int,
     "pinned": _as_names,
-    "session_ttl": _as_float,
+    "session_ttl": _seconds,
     "token": _as_str,
     "uds": _as_path,
     "log_level": _choice(("debug", "info", "warning", "error")),
@@ -237,6 +251,12 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
 
 # Environment variable -> setting. DESIGN.md fixes CAPD_TAPS, HOST, PORT, DATA_DIR, CONFIG, MODEL, TOKEN.
 ENV_VARS: dict[str, str] = {f"CAPD_{name.upper()}": name for name in _CONVERTERS}
+
+
+def check_setting(key: str, value: object) -> object:
+    """``value`` converted and checked by the rule of setting ``key``; a ValueError says why not
+    (the CLI checks flags that override a setting this way)."""
+    return _CONVERTERS[key](value)
 
 
 def _convert(source: str, key: str, value: object) -> object:

@@ -427,9 +427,10 @@ def assemble(taps: Sequence[Path], loaded: Iterable[TapLoad]) -> Catalog:
 
 
 def load_catalog(taps: Sequence[Path]) -> Catalog:
-    """Load all taps; order is precedence."""
+    """Load all taps; order is precedence. Problems are returned in ``catalog.errors``, not logged
+    above debug: the caller reports them (``capd lint`` prints them, the daemon logs them on reload)."""
     resolved = [Path(t).expanduser().absolute() for t in taps]
     catalog = assemble(resolved, (load_tap(t) for t in resolved))
     for problem in catalog.errors:
-        log.warning("tap problem: %s", problem)
+        log.debug("tap problem: %s", problem)
     return catalog

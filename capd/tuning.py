@@ -41,6 +41,7 @@ from typing import Any
 
 from capd.catalog import Catalog
 from capd.errors import ModelError
+from capd.models import quiet_progress_bars
 from capd.router import example_texts
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,7 @@ def train(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE,
         raise ModelError("tuning needs at least two capabilities with two or more examples each")
     torch.manual_seed(recipe.seed)
     rng = random.Random(recipe.seed)
+    quiet_progress_bars()
     model = SentenceTransformer(str(base_dir), device="cpu", local_files_only=True)
     model.train()
     features = getattr(model, "preprocess", None) or model.tokenize  # renamed in newer sentence-transformers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -174,3 +175,47 @@ def test_warm_up_never_blocks_a_turn(tmp_path: Path) -> None:
                 break
             threading.Event().wait(0.05)
         assert client.get("/v1/health").json()["ready"] is True
+
+
+def test_lone_surrogates_in_text_fields_are_422(api: TestClient) -> None:
+    # JSON may escape a lone UTF-16 surrogate; such a string is not text any encoder accepts.
+    for path, body in [("/v1/route", b'{"session": "a", "message": "\\ud800 broken"}'),
+                       ("/v1/discover", b'{"intent": "\\ud800 broken"}'),
+                       ("/v1/sessions/a/capability", b'{"action": "discover", "intent": "\\udfff x"}'),
+                       ("/v1/sessions/a/enable", b'{"name": "\\ud800"}')]:
+        response = api.post(path, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 422, (path, response.text)
+        assert response.json()["error"] == "invalid_request", path
+
+
+def test_chunked_body_over_the_limit_is_413(api: TestClient) -> None:
+    def chunks(padding: int) -> Iterator[bytes]:  # a generator body goes out chunked, without Content-Length
+        yield b'{"session": "c", "message": "please run a query on the postgres database"'
+        for _ in range(padding):
+            yield b" " * 64 * 1024
+        yield b"}"
+
+    headers = {"content-type": "application/json"}
+    small = api.post("/v1/route", content=chunks(2), headers=headers)
+    assert small.status_code == 200 and small.request.headers.get("transfer-encoding") == "chunked"
+    huge = api.post("/v1/route", content=chunks(80), headers=headers)  # 5 MB
+    assert huge.status_code == 413
+    assert huge.json() == {"error": "too_large", "detail": "request body over 262144 bytes"}
+
+
+def test_whitespace_only_intent_is_empty(api: TestClient) -> None:
+    for intent in ("", "   ", "\n\t "):
+        assert api.post("/v1/discover", json={"intent": intent}).json() == {"candidates": []}
+    called = api.post("/v1/sessions/w/capability", json={"action": "discover", "intent": "  "}).json()
+    assert called["error"] == "missing_intent"
+
+
+def test_an_unknown_pinned_name_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash",
+                        pinned=("smalltalk", "nosuchcap"))
+    app = create_app(settings, watch=False, warm_in_background=False)
+    with caplog.at_level(logging.WARNING, logger="capd"), TestClient(app) as client:
+        plan = client.post("/v1/sessions/p/enable", json={"name": "filesystem-read"}).json()
+        assert sorted(plan["active"]) == ["filesystem-read", "smalltalk"]  # the known pinned name applies
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "pinned" in r.getMessage()]
+    assert warned == ["pinned capability not in the catalog, ignored until a tap provides it: nosuchcap"]

@@ -214,6 +214,16 @@ def test_export_is_reused_and_a_broken_one_is_redone(tmp_path: Path, model_setti
     assert list(mine.glob("model.onnx.broken-*"))
 
 
+def test_export_draws_no_progress_bars(tmp_path: Path, model_settings: Settings,
+                                      capfd: pytest.CaptureFixture[str]) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # as in a fresh process
+    resolved = resolve(manifest_for(model_settings), model_settings.data_dir)
+    onnx_export.export(resolved.directory, tmp_path / "model.onnx")
+    assert "Loading weights" not in capfd.readouterr().err
+
+
 def test_concurrent_exports_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[float] = []
 

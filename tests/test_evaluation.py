@@ -204,6 +204,30 @@ def test_capd_test_pass_fail_and_junit(tmp_path: Path, model_settings: Settings)
     assert result.exit_code == 1 and "unknown floor" in result.output
 
 
+def test_reports_that_cannot_be_written_are_clean_errors(tmp_path: Path, settings_factory: SettingsFactory) -> None:
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    data = ["--model", "hash", "--data-dir", str(settings_factory().data_dir)]
+    fixtures = ["--fixtures", str(tap / "fixtures" / "routing.jsonl")]
+    for args, target in [(["eval", "--tap", str(tap), *fixtures, "--html"], "r.html"),
+                         (["test", str(tap), "--junit"], "r.xml")]:
+        path = tmp_path / "no-such-dir" / target
+        result = CliRunner().invoke(main, [*args, str(path), *data])
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit)  # no traceback
+        assert result.stderr == f"capd: cannot write {path}: No such file or directory\n"
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--coverage", "2"), ("--coverage", "-0.1"), ("--threshold", "1.5"),
+                                             ("--margin", "-1")])
+def test_eval_gate_flags_follow_the_settings_rules(tmp_path: Path, flag: str, value: str) -> None:
+    tap = _tap_with_fixtures(tmp_path / "tap", "")
+    result = CliRunner().invoke(main, ["eval", "--tap", str(tap), "--fixtures", str(tap / "fixtures" / "routing.jsonl"),
+                                       "--model", "hash", "--data-dir", str(tmp_path / "d"), "--rule", "fused",
+                                       flag, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}': must be between" in result.output
+
+
 def test_shipped_tap_meets_its_floors(model_settings: Settings) -> None:
     taps = default_taps()
     result = CliRunner().invoke(main, ["test", *map(str, taps), "--data-dir", str(model_settings.data_dir),

@@ -221,6 +221,8 @@ def test_cli_lists_exports_and_forgets(tmp_path: Path) -> None:
     assert suggestions["memory"] == {"file": str(CORE / "capabilities" / "memory"), "refused_messages": [CHATTER]}
     refused = runner.invoke(main, ["learned", "forget", "--data-dir", str(tmp_path)])
     assert refused.exit_code == 2 and "--all" in refused.output
+    both = runner.invoke(main, ["learned", "forget", "git", "--all", "--data-dir", str(tmp_path)])
+    assert both.exit_code == 2 and "not both" in both.output  # --all would forget more than git
     forgot = runner.invoke(main, ["learned", "forget", "git", "--data-dir", str(tmp_path), "--json"],
                            env={"CAPD_PORT": "1"})  # no daemon there to reload
     assert forgot.exit_code == 0, forgot.output

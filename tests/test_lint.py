@@ -72,6 +72,16 @@ def test_text_output_and_console_script(tmp_path: Path) -> None:
     assert "errors" in proc.stdout
 
 
+def test_each_problem_is_printed_once(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    write_capability(tap, "bad-schema", None)
+    (tap / "capabilities" / "bad-schema" / "config.toml").write_text("triggers = 3\n")
+    proc = subprocess.run([sys.executable, "-m", "capd", "lint", str(tap)], capture_output=True, text=True,
+                          check=False)
+    assert proc.stderr.count("triggers must be a list of strings") == 1, proc.stderr
+    assert "tap problem" not in proc.stderr
+
+
 def test_usage_error_exits_two() -> None:
     result = CliRunner().invoke(main, ["lint", "--no-such-flag"])
     assert result.exit_code == 2

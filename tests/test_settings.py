@@ -70,6 +70,20 @@ def test_coverage_gate_from_the_environment() -> None:
         load_settings(env={"CAPD_COVERAGE": "1.5"})
 
 
+@pytest.mark.parametrize(("var", "value", "reason"), [
+    ("CAPD_SESSION_TTL", "0", "session_ttl: must be a positive number of seconds"),
+    ("CAPD_SESSION_TTL", "-5", "session_ttl: must be a positive number of seconds"),
+    ("CAPD_SESSION_TTL", "nan", "session_ttl: must be a positive number of seconds"),
+    ("CAPD_MIN_CHARS", "-1", "min_chars: must be 0 or more"),
+])
+def test_session_ttl_and_min_chars_are_checked_up_front(var: str, value: str, reason: str) -> None:
+    # Refused here, not when the daemon's session registry is built (which left a running daemon
+    # that could never route).
+    with pytest.raises(ConfigError, match=f"environment {var}: {reason}"):
+        load_settings(env={var: value})
+    assert load_settings(env={"CAPD_MIN_CHARS": "0", "CAPD_SESSION_TTL": "0.5"}).min_chars == 0
+
+
 def test_bad_env_value_names_variable() -> None:
     with pytest.raises(ConfigError, match="environment CAPD_PORT: port: must be"):
         load_settings(env={"CAPD_PORT": "seventy"})

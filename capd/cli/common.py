@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from capd.errors import CapdError, DaemonUnreachable
-from capd.settings import Settings, load_settings
+from capd.settings import Settings, check_setting, load_settings
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -66,6 +66,81 @@ def settings_options(func: F) -> F:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def connection_options(func: F) -> F:
+    """--host, --port, --uds: where the running daemon listens."""
+    options = [
+        click.option("--host", default=None, help="Daemon host (default 127.0.0.1). Env: CAPD_HOST."),
+        click.option("--port", type=int, default=None, help="Daemon port (default 7171). Env: CAPD_PORT."),
+        click.option("--uds", type=click.Path(path_type=Path), default=None, help="Unix socket path. Env: CAPD_UDS."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+class _Text(click.ParamType[str]):
+    """A message, intent, session id or capability name. A byte that the locale's encoding cannot
+    decode reaches Python as a lone surrogate (PEP 383), which neither the model nor JSON accepts."""
+
+    name = "text"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            self.fail(f"not text in the terminal's encoding (an undecodable byte at character {exc.start})",
+                      param, ctx)
+        return text
+
+
+TEXT = _Text()
+
+
+def setting_rule(key: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback that checks a flag overriding setting ``key`` by that setting's rule."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return check_setting(key, value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from None
+
+    return check
+
+
+def _given(flags: dict[str, Any]) -> list[str]:
+    return [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None and v != () and v is not False]
+
+
+def tap_only(**flags: Any) -> None:
+    """Flags of the in-process mode given without --tap: a usage error, not silently ignored."""
+    names = _given(flags)
+    if names:
+        one = len(names) == 1
+        raise Failed(f"{', '.join(names)} appl{'ies' if one else 'y'} with --tap; a running daemon uses its own "
+                     f"(set {'it' if one else 'them'} when starting `capd serve`)", EXIT_USAGE)
+
+
+def daemon_only(**flags: Any) -> None:
+    """Flags that talk to the running daemon given with --tap: a usage error, not silently ignored."""
+    names = _given(flags)
+    if names:
+        one = len(names) == 1
+        raise Failed(f"{', '.join(names)} appl{'ies' if one else 'y'} to a running daemon, not with --tap "
+                     "(which runs in-process)", EXIT_USAGE)
+
+
+def write_file(path: Path, text: str) -> None:
+    """Write a report the user asked for; a path that cannot be written is an error, not a traceback."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise Failed(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def build_settings(config: Path | None = None, **flags: Any) -> Settings:

@@ -11,7 +11,16 @@ from typing import Any
 
 import click
 
-from capd.cli.common import EXIT_UNREACHABLE, Failed, build_settings, emit_json
+from capd.cli.common import (
+    EXIT_UNREACHABLE,
+    TEXT,
+    Failed,
+    build_settings,
+    connection_options,
+    daemon_only,
+    emit_json,
+    stderr,
+)
 from capd.client import CapdClient
 from capd.settings import RULES, Settings
 
@@ -22,14 +31,10 @@ def client_for(settings: Settings) -> CapdClient:
 
 
 def daemon_options(func: Any) -> Any:
-    for option in reversed([
-        click.option("--config", "config", type=click.Path(path_type=Path), default=None, help="Config file."),
-        click.option("--host", default=None, help="Daemon host (default 127.0.0.1). Env: CAPD_HOST."),
-        click.option("--port", type=int, default=None, help="Daemon port (default 7171). Env: CAPD_PORT."),
-        click.option("--uds", type=click.Path(path_type=Path), default=None, help="Unix socket path. Env: CAPD_UDS."),
-    ]):
-        func = option(func)
-    return func
+    """--config, then where the daemon listens (--host, --port, --uds)."""
+    func = connection_options(func)
+    return click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+                        help="Config file.")(func)
 
 
 @click.command()
@@ -63,7 +68,7 @@ def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
 @daemon_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(config: Path | None, host: str | None, port: int | None, uds: Path | None, as_json: bool) -> None:
-    """Is the daemon up and ready? Exit 3 if it does not answer.
+    """Is the daemon up and ready? Exit 1 if it failed to start, 3 if it does not answer.
 
     Example: capd status --json
     """
@@ -72,22 +77,26 @@ def status(config: Path | None, host: str | None, port: int | None, uds: Path | 
         health = client.health()
     if as_json:
         emit_json(health)
-        return
-    click.echo(f"{health['status']}  ready={health['ready']}  model={health['model']}  "
-               f"capabilities={health['capabilities']}  triggers={health['triggers']}  "
-               f"embedded={health['embedded']}  cached={health['cached']}")
-    tuning = health.get("tuning") or {}
-    if tuning.get("enabled"):
-        click.echo(f"  tuning: {tuning['status']}" + (f" ({tuning['error']})" if tuning.get("error") else ""))
-    for error in health["errors"]:
-        click.echo(f"  {error['file']}: line {error['line']}: {error['reason']}", err=True)
+    else:
+        click.echo(f"{health['status']}  ready={health['ready']}  model={health['model']}  "
+                   f"capabilities={health['capabilities']}  triggers={health['triggers']}  "
+                   f"embedded={health['embedded']}  cached={health['cached']}")
+        tuning = health.get("tuning") or {}
+        if tuning.get("enabled"):
+            click.echo(f"  tuning: {tuning['status']}" + (f" ({tuning['error']})" if tuning.get("error") else ""))
+        for error in health["errors"]:
+            line = f": line {error['line']}" if error["line"] is not None else ""
+            stderr(f"  {error['file']}{line}: {error['reason']}")
+    # "starting" (still loading) is not a failure; "error" is a daemon that answers but will never route.
+    if health["status"] == "error":
+        raise Failed(f"the daemon failed to start: {health['startup_error'] or 'see its log'}")
 
 
 @click.command("list")
 @click.option("--tap", "taps", multiple=True, type=click.Path(path_type=Path),
               help="List these taps in-process instead of asking the daemon.")
 @daemon_options
-@click.option("--session", default=None, help="Mark this session's active capabilities.")
+@click.option("--session", type=TEXT, default=None, help="Mark this session's active capabilities (daemon only).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def list_(taps: tuple[Path, ...], config: Path | None, host: str | None, port: int | None, uds: Path | None,
           session: str | None, as_json: bool) -> None:
@@ -98,7 +107,11 @@ def list_(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
     if taps:
         from capd.taps import load_catalog
 
-        rows = [{**c.summary(), "active": False} for c in load_catalog(taps)]
+        daemon_only(session=session, host=host, port=port, uds=uds)
+        catalog = load_catalog(taps)
+        for problem in catalog.errors:
+            stderr(str(problem))
+        rows = [{**c.summary(), "active": False} for c in catalog]
     else:
         with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
             rows = client.capabilities(session)
@@ -121,8 +134,8 @@ def _plan_command(name: str, summary: str, call: Callable[[CapdClient, str, str]
     """``capd enable`` / ``capd disable``: one session change through the daemon, printing the plan."""
 
     @click.command(name, help=f"{summary}; prints the plan.\n\nExample: capd {name} my-agent postgres")
-    @click.argument("session")
-    @click.argument("name")
+    @click.argument("session", type=TEXT)
+    @click.argument("name", type=TEXT)
     @daemon_options
     @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
     def command(session: str, name: str, config: Path | None, host: str | None, port: int | None,

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import click
 
-from capd.cli.common import EXIT_USAGE, Failed, build_settings, emit_json, settings_options
+from capd.cli.common import (
+    EXIT_USAGE,
+    TEXT,
+    Failed,
+    build_settings,
+    connection_options,
+    emit_json,
+    settings_options,
+)
 from capd.cli.daemon_cmds import client_for
 from capd.errors import ClientError
 from capd.learned import Learned, LearnedStore
@@ -34,7 +42,7 @@ def learned() -> None:
 
 @learned.command("list")
 @settings_options
-@click.option("--capability", default=None, help="Only this capability.")
+@click.option("--capability", type=TEXT, default=None, help="Only this capability.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def list_learned(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
                  backend: str | None, capability: str | None, as_json: bool) -> None:
@@ -60,20 +68,25 @@ def list_learned(config: Path | None, taps: tuple[Path, ...], data_dir: Path | N
 
 
 @learned.command()
-@click.argument("capability", required=False)
+@click.argument("capability", type=TEXT, required=False)
 @settings_options
-@click.option("--message", default=None, help="Only this exact message.")
+@connection_options
+@click.option("--message", type=TEXT, default=None, help="Only this exact message.")
 @click.option("--all", "everything", is_flag=True, help="Forget every learned example (of --tap when given).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], data_dir: Path | None,
-           model: str | None, backend: str | None, message: str | None, everything: bool, as_json: bool) -> None:
+           model: str | None, backend: str | None, host: str | None, port: int | None, uds: Path | None,
+           message: str | None, everything: bool, as_json: bool) -> None:
     """Forget learned examples of CAPABILITY (or --all), then ask a running daemon to reload.
 
     Example: capd learned forget docker --message "the thing with the boxes is slow"
     """
     if capability is None and not everything:
         raise Failed("name a capability, or pass --all to forget every learned example", EXIT_USAGE)
-    settings = build_settings(config, data_dir=data_dir)
+    if capability is not None and everything:
+        raise Failed(f"name a capability or pass --all, not both (--all forgets more than {capability})",
+                     EXIT_USAGE)
+    settings = build_settings(config, data_dir=data_dir, host=host, port=port, uds=uds)
     store = _store(settings)
     removed = sum(store.forget(tap=_tap(tap), capability=capability, message=message) for tap in taps or (None,))
     store.close()

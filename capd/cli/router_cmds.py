@@ -7,7 +7,20 @@ from typing import Any
 
 import click
 
-from capd.cli.common import EXIT_ERROR, EXIT_USAGE, Failed, build_settings, emit_json, settings_options
+from capd.cli.common import (
+    EXIT_ERROR,
+    EXIT_USAGE,
+    TEXT,
+    Failed,
+    build_settings,
+    connection_options,
+    daemon_only,
+    emit_json,
+    setting_rule,
+    settings_options,
+    tap_only,
+    write_file,
+)
 from capd.cli.daemon_cmds import client_for
 from capd.settings import RULES, Settings
 
@@ -42,22 +55,26 @@ def route_text(result: dict[str, Any], explain: list[dict[str, Any]] | None = No
 
 
 @click.command()
-@click.argument("intent")
+@click.argument("intent", type=TEXT)
 @settings_options
-@click.option("--limit", default=5, show_default=True, help="How many candidates.")
+@connection_options
+@click.option("--limit", type=click.IntRange(1, 100), default=5, show_default=True,
+              help="How many candidates (1-100).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def discover(intent: str, config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
-             backend: str | None, limit: int, as_json: bool) -> None:
+             backend: str | None, host: str | None, port: int | None, uds: Path | None, limit: int,
+             as_json: bool) -> None:
     """Best capabilities for an intent, no gates (the daemon's, or in-process with --tap).
 
     Example: capd discover "query a postgres table" --tap taps/core
     """
-    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend)
     if taps:
-        service = _service(settings)
+        daemon_only(host=host, port=port, uds=uds)
+        service = _service(build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend))
         candidates = [{"name": n, "score": round(s, 4)} for n, s in service.discover(intent, limit)]
     else:
-        with client_for(settings) as client:
+        tap_only(data_dir=data_dir, model=model, backend=backend)
+        with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
             candidates = client.discover(intent, limit)
     if as_json:
         emit_json({"candidates": candidates})
@@ -67,30 +84,34 @@ def discover(intent: str, config: Path | None, taps: tuple[Path, ...], data_dir:
 
 
 @click.command()
-@click.argument("message")
+@click.argument("message", type=TEXT)
 @settings_options
-@click.option("--rule", type=click.Choice(RULES), default=None, help="Routing rule.")
-@click.option("--session", default=None, help="Session id (daemon only): activations update its plan.")
+@connection_options
+@click.option("--rule", type=click.Choice(RULES), default=None, help="Routing rule (with --tap).")
+@click.option("--session", type=TEXT, default=None, help="Session id (daemon only): activations update its plan.")
 @click.option("--explain", is_flag=True, help="Show each candidate's best triggers and their cosines.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def route(message: str, config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
-          backend: str | None, rule: str | None, session: str | None, explain: bool, as_json: bool) -> None:
+          backend: str | None, host: str | None, port: int | None, uds: Path | None, rule: str | None,
+          session: str | None, explain: bool, as_json: bool) -> None:
     """Decide for one message: activate, abstain or skipped, with the reason.
 
     Asks the running daemon, or routes in-process when given --tap.
 
     Example: capd route "show me the last five commits" --tap taps/core --explain
     """
-    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
     details = None
     if taps:
-        service = _service(settings)
+        daemon_only(session=session, host=host, port=port, uds=uds)
+        service = _service(build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend,
+                                          rule=rule))
         result = service.route(message).as_dict()
         details = service.explain(message) if explain else None
     else:
         if explain:
             raise Failed("--explain runs in-process: give --tap", EXIT_USAGE)
-        with client_for(settings) as client:
+        tap_only(rule=rule, data_dir=data_dir, model=model, backend=backend)
+        with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
             result = client.route(session, message)
     if as_json:
         emit_json({**result, **({"explain": details} if explain else {})})
@@ -108,10 +129,12 @@ def _eval_options(func: Any) -> Any:
 
 @click.command("eval")
 @_eval_options
-@click.option("--threshold", type=float, default=None, help="Override every tap's threshold.")
-@click.option("--margin", type=float, default=None, help="Override every tap's margin.")
-@click.option("--coverage", type=float, default=None,
-              help="Override every tap's coverage gate (fused rule; 0 turns it off).")
+@click.option("--threshold", type=float, default=None, callback=setting_rule("threshold"),
+              help="Override every tap's threshold (-1 to 1).")
+@click.option("--margin", type=float, default=None, callback=setting_rule("margin"),
+              help="Override every tap's margin (0 to 100).")
+@click.option("--coverage", type=float, default=None, callback=setting_rule("coverage"),
+              help="Override every tap's coverage gate (fused rule; 0 to 1, 0 turns it off).")
 @click.option("--html", "html", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write a self-contained HTML report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -134,7 +157,7 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
         from capd.report_html import render
 
         title = f"capd eval: {', '.join(str(t) for t in settings.taps)}"
-        html.write_text(render(result, table, outcome, title), encoding="utf-8")
+        write_file(html, render(result, table, outcome, title))
     if as_json:
         emit_json(result)
         return
@@ -187,7 +210,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
                         "checks": [c.as_dict() for c in checks], "passed": all(c.passed for c in checks),
                         "failing_rows": failing_rows(table, outcome)})
     if junit is not None:
-        junit.write_text(junit_xml(reports), encoding="utf-8")
+        write_file(junit, junit_xml(reports))
     if as_json:
         emit_json({"passed": all(r["passed"] for r in reports), "taps": reports})
     else:
@@ -240,14 +263,16 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
         click.echo(f"fit on {report['rows']['fit']} rows, checked on {report['rows']['held_out']} held-out rows; "
                    f"limits null_fpr <= {max_null_fpr}, fired_wrong <= {max_wrong}")
         click.echo("operating curve (best point per threshold):")
-        click.echo("  top_k threshold margin coverage fired_right fired_wrong null_fpr")
+        fused = report["rule"] == "fused"  # only it has a coverage gate
+        click.echo("  top_k threshold margin" + (" coverage" if fused else "") + " fired_right fired_wrong null_fpr")
         for p in report["curve"][:: max(1, len(report["curve"]) // 15)]:
-            click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f} {p['coverage']:>8.2f} "
+            coverage = f" {p['coverage']:>8.2f}" if fused else ""
+            click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f}{coverage} "
                        f"{p['fired_right']:>11.3f} {p['fired_wrong']:>11.3f} {p['null_fpr']:>8.3f}")
         if point is None:
             click.echo("no gate setting meets the limits")
         else:
-            coverage = f", coverage {point['coverage']:.2f}" if report["rule"] == "fused" else ""
+            coverage = f", coverage {point['coverage']:.2f}" if fused else ""
             click.echo(f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, "
                        f"margin {point['margin']:.3f}{coverage}, "
                        f"abstain corpus {'on' if point['abstain_corpus'] else 'off'}")

@@ -1,0 +1,208 @@
+"""The CLI and the Python client against the real app, served over HTTP in a thread (hash model).
+
+Each command runs through click's CliRunner, as a user would type it; a daemon, where one is
+needed, is ``create_app`` under uvicorn on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import uvicorn
+from click.testing import CliRunner, Result
+
+from capd.api import create_app
+from capd.cli import main
+from capd.client import CapdClient
+from capd.encoder import Encoder, HashEncoder
+from capd.errors import UnknownCapability, UnknownSession
+from capd.learned import LearnedStore
+from capd.settings import Settings
+from tests.taputil import octomind_tap
+
+Serve = Callable[..., int]
+
+
+class _SlowEncoder(HashEncoder):
+    """Holds the daemon in its loading phase until ``gate`` is set."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        self.gate.wait(30)
+        return super().embed(texts)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    """``serve(encoder=None, wait=True, **settings)``: the app on a free port; returns the port."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(encoder: Encoder | None = None, wait: bool = True, **overrides: object) -> int:
+        port = _free_port()
+        values: dict[str, object] = {"taps": (octomind_tap(tmp_path / f"t{len(servers)}"),), "model": "hash",
+                                     "data_dir": tmp_path / f"d{len(servers)}", "port": port}
+        settings = Settings(**{**values, **overrides})  # type: ignore[arg-type]
+        app = create_app(settings, encoder=encoder, watch=False, warm_in_background=not wait)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        return port
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _capd(*args: str, port: int | None = None) -> Result:
+    env = {"CAPD_PORT": str(port if port is not None else _free_port()), "CAPD_CONFIG": ""}
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def _clean_usage_error(result: Result) -> None:
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # not an exception escaping as a traceback
+    assert "Traceback" not in result.output
+
+
+# -- item 1: text that is not Unicode ----------------------------------------------------------------------
+
+def test_undecodable_bytes_in_arguments_are_a_usage_error(serve: Serve, tmp_path: Path) -> None:
+    # Bytes the terminal's encoding cannot decode reach Python as lone surrogates (PEP 383).
+    message = "\udcff\udcfe show me the commits"
+    port = serve()
+    tap = str(octomind_tap(tmp_path / "in-process"))
+    for args in (["route", message], ["route", message, "--tap", tap, "--model", "hash", "--data-dir",
+                                      str(tmp_path / "d")], ["discover", message], ["enable", "\udcff", "git"],
+                 ["enable", "s1", "\udcff"], ["route", "show me the commits", "--session", "\udcff"]):
+        result = _capd(*args, port=port)
+        _clean_usage_error(result)
+        assert "not text in the terminal's encoding" in result.output
+
+
+# -- item 3: capd status on a daemon that failed to start ----------------------------------------------------
+
+def test_status_exits_1_with_the_startup_error_and_0_while_loading(serve: Serve, tmp_path: Path) -> None:
+    failed = serve(model=str(tmp_path / "no-such-model"))
+    result = _capd("status", port=failed)
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith("error  ready=False")
+    assert "capd: the daemon failed to start: model directory" in result.stderr
+    assert _capd("status", "--json", port=failed).exit_code == 1
+    assert _capd("status", port=serve()).exit_code == 0
+    gate = threading.Event()
+    try:
+        loading = _capd("status", port=serve(encoder=_SlowEncoder(gate), wait=False))
+        assert loading.exit_code == 0 and loading.stdout.startswith("starting  ready=False"), loading.output
+    finally:
+        gate.set()
+
+
+# -- item 4: flags that do not apply in a mode ---------------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["route", "show me the commits", "--rule", "fused"], "--rule applies with --tap"),
+    (["route", "show me the commits", "--model", "hash"], "--model applies with --tap"),
+    (["route", "show me the commits", "--backend", "onnx"], "--backend applies with --tap"),
+    (["route", "show me the commits", "--data-dir", "DATA"], "--data-dir applies with --tap"),
+    (["discover", "show me the commits", "--model", "hash"], "--model applies with --tap"),
+    (["route", "show me the commits", "--tap", "TAP", "--model", "hash", "--data-dir", "DATA", "--session", "s1"],
+     "--session applies to a running daemon"),
+    (["list", "--tap", "TAP", "--session", "s1"], "--session applies to a running daemon"),
+    (["discover", "show me the commits", "--tap", "TAP", "--model", "hash", "--data-dir", "DATA", "--port", "1"],
+     "--port applies to a running daemon"),
+])
+def test_flags_that_do_not_apply_are_usage_errors(tmp_path: Path, args: list[str], flag: str) -> None:
+    where = {"TAP": str(octomind_tap(tmp_path)), "DATA": str(tmp_path / "data")}
+    result = _capd(*[where.get(a, a) for a in args])
+    _clean_usage_error(result)
+    assert f"capd: {flag}" in result.stderr
+
+
+def test_route_discover_and_forget_reach_the_daemon_given_by_flags(serve: Serve, tmp_path: Path) -> None:
+    port = str(serve())
+    routed = _capd("route", "please run a query on the postgres database", "--port", port, "--json")
+    assert routed.exit_code == 0, routed.output
+    assert json.loads(routed.stdout)["decision"] in ("activate", "abstain")
+    found = _capd("discover", "look at the postgres schema", "--port", port, "--json")
+    assert found.exit_code == 0, found.output
+    assert json.loads(found.stdout)["candidates"][0]["name"] == "database-postgres"
+    data = tmp_path / "learned"
+    store = LearnedStore.open(data)
+    store.record(str(tmp_path / "tap"), "smalltalk", "how warm is it outside", "abstain", "s")
+    store.close()
+    forgot = _capd("learned", "forget", "smalltalk", "--data-dir", str(data), "--port", port, "--json")
+    assert forgot.exit_code == 0, forgot.output
+    assert json.loads(forgot.stdout) == {"forgotten": 1, "daemon_reloaded": True}
+
+
+@pytest.mark.parametrize("limit", ["0", "-3", "1000"])
+def test_discover_limit_is_1_to_100_in_process_too(tmp_path: Path, limit: str) -> None:
+    result = _capd("discover", "look at the postgres schema", "--tap", str(octomind_tap(tmp_path)),
+                   "--model", "hash", "--data-dir", str(tmp_path / "d"), "--limit", limit)
+    _clean_usage_error(result)
+
+
+# -- item 6: NAME and --all ----------------------------------------------------------------------------------
+
+def test_forget_takes_a_name_or_all_not_both(tmp_path: Path) -> None:
+    store = LearnedStore.open(tmp_path)
+    store.record("/taps/core", "docker", "the thing with the boxes is slow", "abstain", "s")
+    store.record("/taps/core", "git", "undo my last save point", "abstain", "s")
+    store.close()
+    result = _capd("learned", "forget", "docker", "--all", "--data-dir", str(tmp_path))
+    _clean_usage_error(result)
+    assert "not both" in result.stderr
+    assert len(LearnedStore.open(tmp_path).entries()) == 2
+
+
+# -- item 7: messages said once, no "line None", whitespace-only intents ------------------------------------
+
+def test_unknown_names_are_said_once_by_the_client_and_the_cli(serve: Serve) -> None:
+    port = serve()
+    with CapdClient(f"http://127.0.0.1:{port}") as client:
+        with pytest.raises(UnknownSession) as session:
+            client.session("my-agent-1")
+        assert str(session.value) == "unknown session 'my-agent-1'" and session.value.session == "my-agent-1"
+        with pytest.raises(UnknownCapability) as capability:
+            client.enable("s1", "nosuchcap")
+        assert str(capability.value) == "unknown capability 'nosuchcap'" and capability.value.name == "nosuchcap"
+    result = _capd("enable", "s1", "nosuchcap", port=port)
+    assert result.exit_code == 1 and result.stderr == "capd: unknown capability 'nosuchcap'\n"
+
+
+def test_status_omits_line_none(serve: Serve, tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path / "broken")
+    (tap / "capabilities" / "smalltalk" / "config.toml").write_bytes(b"triggers = []\x00\n")
+    result = _capd("status", port=serve(taps=(tap,)))
+    assert result.exit_code == 0, result.output
+    assert "smalltalk/config.toml: binary file" in result.stderr and "line None" not in result.stderr
+
+
+def test_whitespace_only_intent_finds_nothing_in_process(tmp_path: Path) -> None:
+    result = _capd("discover", "   ", "--tap", str(octomind_tap(tmp_path)), "--model", "hash",
+                   "--data-dir", str(tmp_path / "d"), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"candidates": []}
