@@ -21,11 +21,12 @@ from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from capd import api_docs
 from capd.capability_tool import TOOL_SCHEMA, run_capability_call
 from capd.encoder import Encoder
 from capd.errors import (
@@ -263,7 +264,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
                 watcher.stop()
             service.close()
 
-    app = FastAPI(title="capd", version="1", lifespan=lifespan,
+    app = FastAPI(title="capd", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,  # CDN pages
                   description="Local capability router for AI agents. See DESIGN.md.")
     _install_handlers(app)
     _install_middleware(app, settings)
@@ -291,6 +292,10 @@ def _registry(request: Request) -> Any:
 
 
 def _install_routes(app: FastAPI) -> None:
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:  # offline: capd.api_docs, not Swagger UI from a CDN
+        return HTMLResponse(api_docs.render(app.openapi()))
+
     @app.get("/v1/health", response_model=None, responses=responses_for(HealthOut))
     def health(request: Request) -> dict[str, Any]:
         return _service(request).health()

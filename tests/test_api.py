@@ -219,3 +219,16 @@ def test_an_unknown_pinned_name_is_logged(tmp_path: Path, caplog: pytest.LogCapt
         assert sorted(plan["active"]) == ["filesystem-read", "smalltalk"]  # the known pinned name applies
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "pinned" in r.getMessage()]
     assert warned == ["pinned capability not in the catalog, ignored until a tap provides it: nosuchcap"]
+
+
+def test_docs_page_works_offline_and_lists_every_endpoint(api: TestClient) -> None:
+    """FastAPI's Swagger page loads its script from a CDN; capd's /docs is one self-contained page."""
+    response = api.get("/docs")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    page = response.text
+    assert "<script" not in page and "http://" not in page and "https://" not in page
+    for path, methods in api.get("/openapi.json").json()["paths"].items():
+        assert f"<code>{path}</code>" in page
+        assert all(f">{m.upper()}<" in page for m in methods)
+    assert "id='RouteBody'" in page and "<code>message</code>" in page
+    assert api.get("/redoc").status_code == 404
