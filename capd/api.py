@@ -129,17 +129,16 @@ def _install_handlers(app: FastAPI) -> None:
         detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         return _error(422, "invalid_request", detail)
 
-    statuses: list[tuple[type[CapdError], int, str]] = [
-        (UnknownSession, 404, "unknown_session"), (UnknownCapability, 404, "unknown_capability"),
-        (InvalidSessionId, 400, "invalid_session_id"), (PinnedCapability, 409, "pinned"),
-        (StateError, 503, "state_unavailable"),
+    statuses: list[tuple[type[CapdError], int]] = [
+        (UnknownSession, 404), (UnknownCapability, 404), (InvalidSessionId, 400), (PinnedCapability, 409),
+        (StateError, 503),
     ]
-    for cls, status, code in statuses:
+    for cls, status in statuses:
         def make(status: int, code: str) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
             async def handler(_: Request, exc: Exception) -> JSONResponse:
                 return _error(status, code, str(exc))
             return handler
-        app.add_exception_handler(cls, make(status, code))
+        app.add_exception_handler(cls, make(status, cls.code))
 
     @app.exception_handler(CapdError)
     async def capd_error(_: Request, exc: CapdError) -> JSONResponse:

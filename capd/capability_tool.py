@@ -58,7 +58,7 @@ def run_capability_call(service: Service, session: str, action: str, name: str |
         plan = registry.activate(session, name, "manual") if action == "enable" else registry.deactivate(session,
                                                                                                          name)
     except CapdError as exc:
-        return {"text": f"Could not {action} {name}: {exc}", "plan": None, "error": type(exc).__name__}
+        return {"text": f"Could not {action} {name}: {exc}", "plan": None, "error": exc.code}
     verb = "Enabled" if action == "enable" else "Disabled"
     text = f"{verb} {name}. Active now: {', '.join(plan.active) or 'none'}."
     return {"text": text, "plan": plan.as_dict()}

@@ -29,7 +29,10 @@ from pathlib import Path
 
 
 class CapdError(Exception):
-    """Base class of every error capd raises on purpose."""
+    """Base class of every error capd raises on purpose. ``code`` names it in the HTTP API's
+    ``{"error": code}`` and the capability tool's answers."""
+
+    code = "capd_error"
 
 
 class ConfigError(CapdError):
@@ -91,9 +94,13 @@ class CacheError(CapdError):
 class StateError(CapdError):
     """Session state cannot be stored or read."""
 
+    code = "state_unavailable"
+
 
 class UnknownCapability(CapdError):
     """A capability name that the catalog does not hold."""
+
+    code = "unknown_capability"
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -103,6 +110,8 @@ class UnknownCapability(CapdError):
 class UnknownSession(CapdError):
     """A session id with no state."""
 
+    code = "unknown_session"
+
     def __init__(self, session: str) -> None:
         self.session = session
         super().__init__(f"unknown session {session!r}")
@@ -110,6 +119,8 @@ class UnknownSession(CapdError):
 
 class PinnedCapability(CapdError):
     """A pinned capability (settings ``pinned``) is always active and cannot be disabled."""
+
+    code = "pinned"
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -119,6 +130,8 @@ class PinnedCapability(CapdError):
 
 class InvalidSessionId(CapdError, ValueError):
     """A session id that is not 1–128 characters of ``[A-Za-z0-9._:-]``, or only dots."""
+
+    code = "invalid_session_id"
 
     def __init__(self, session: str) -> None:
         self.session = session

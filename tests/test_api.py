@@ -116,6 +116,8 @@ def test_drop_session_and_capability_tool(api: TestClient) -> None:
     assert enabled["plan"]["active"] == ["database-postgres"] and "Enabled" in enabled["text"]
     listed = api.post("/v1/sessions/s5/capability", json={"action": "list"}).json()
     assert "* database-postgres" in listed["text"]
+    unknown = api.post("/v1/sessions/s5/capability", json={"action": "enable", "name": "nope"}).json()
+    assert unknown["plan"] is None and unknown["error"] == "unknown_capability"  # the HTTP API's code
     dropped = api.delete("/v1/sessions/s5").json()
     assert dropped["plan"]["teardown"][0]["kill"] is True
     assert api.get("/v1/sessions/s5").status_code == 404

@@ -229,7 +229,7 @@ def test_names_cannot_escape(guarded: Daemon) -> None:
         for name in BAD_NAMES:
             answer = http.post("/v1/sessions/safe/capability", json={"action": "enable",
                                                                       "name": name.format(m=MARKER)}).json()
-            assert answer["plan"] is None and answer["error"] == "UnknownCapability"
+            assert answer["plan"] is None and answer["error"] == "unknown_capability"
         assert http.get("/v1/sessions/safe").status_code == 404  # no session was made by any of it
         assert not any(c["name"] == "escapee" for c in http.get("/v1/capabilities").json()["capabilities"])
         errors = http.get("/v1/health").json()["errors"]
