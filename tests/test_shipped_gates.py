@@ -5,6 +5,7 @@ fixtures, which they never saw. Real model, real tap."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from collections.abc import Iterator
 from contextlib import closing
@@ -68,3 +69,15 @@ def test_the_shipped_gates_meet_the_goal_on_fixtures_they_never_saw(fused: Servi
     without, _, _ = evaluate(fused.router, fixtures, auto.threshold, auto.margin, auto.coverage)
     assert shipped["fired_right"] >= without["fired_right"] + 0.15
     assert np.isclose(shipped["threshold"], -0.37)  # the tap's gates were in force, not the auto gates
+
+
+def test_capd_test_takes_the_rule(model_settings: Settings) -> None:
+    """`capd test --rule fused` measures a tap as a daemon with `rule = "fused"` routes it."""
+    from click.testing import CliRunner
+
+    from capd.cli import main
+
+    result = CliRunner().invoke(main, ["test", str(CORE), "--rule", "fused", "--json",
+                                       "--data-dir", str(model_settings.data_dir)])
+    metrics = json.loads(result.stdout)["taps"][0]["metrics"]
+    assert metrics["fired_right"] >= 0.80 and metrics["top1"] >= 0.90  # the default rule: 0.469 / 0.869

@@ -180,11 +180,13 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
 @click.command("test")
 @click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=click.Path(path_type=Path))
 @settings_options
+@click.option("--rule", type=click.Choice(RULES), default=None,
+              help="Routing rule (default: the settings'; floors are written for one).")
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Write JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...], data_dir: Path | None,
-          model: str | None, backend: str | None, junit: Path | None, as_json: bool) -> None:
+          model: str | None, backend: str | None, rule: str | None, junit: Path | None, as_json: bool) -> None:
     """Run each tap's fixtures/*.jsonl against its fixtures/floors.toml; exit 1 below a floor.
 
     Example: capd test taps/core --junit routing.xml
@@ -193,7 +195,8 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
     from capd.fixtures import check_names, load_fixtures, tap_fixture_files
     from capd.floors import check_floors, junit_xml, load_floors
 
-    base = build_settings(config, taps=tap_args or taps, data_dir=data_dir, model=model, backend=backend)
+    base = build_settings(config, taps=tap_args or taps, data_dir=data_dir, model=model, backend=backend,
+                          rule=rule)
     reports: list[dict[str, Any]] = []
     for tap in base.taps:
         files = tap_fixture_files(tap)
