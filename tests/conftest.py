@@ -13,11 +13,13 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from capd.encoder import Encoder, HashEncoder, open_encoder
@@ -71,3 +73,15 @@ def core_service(model_settings: Settings) -> Any:
     from capd.settings import default_taps
 
     return Service(replace(model_settings, taps=default_taps())).start()
+
+
+class GatedEncoder(HashEncoder):
+    """The deterministic fake, holding every embed until ``gate`` is set: a daemon kept loading."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        self.gate.wait(30)
+        return super().embed(texts)

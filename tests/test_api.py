@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from capd.api import create_app
-from capd.encoder import HashEncoder
 from capd.settings import Settings
-from tests.conftest import isolated_data_dir
+from tests.conftest import GatedEncoder, isolated_data_dir
 from tests.taputil import octomind_tap
 
 
@@ -152,20 +150,10 @@ def test_token_required_on_every_endpoint(tmp_path: Path) -> None:
         assert ok.status_code == 200
 
 
-class _SlowEncoder(HashEncoder):
-    def __init__(self, gate: threading.Event) -> None:
-        super().__init__()
-        self.gate = gate
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        self.gate.wait(30)
-        return super().embed(texts)
-
-
 def test_warm_up_never_blocks_a_turn(tmp_path: Path) -> None:
     gate = threading.Event()
     settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash")
-    with TestClient(create_app(settings, encoder=_SlowEncoder(gate), watch=False)) as client:
+    with TestClient(create_app(settings, encoder=GatedEncoder(gate), watch=False)) as client:
         health = client.get("/v1/health").json()
         assert health["ready"] is False and health["status"] == "starting"
         routed = client.post("/v1/route", json={"session": "w", "message": "run a query on postgres"}).json()

@@ -10,10 +10,9 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import uvicorn
 from click.testing import CliRunner, Result
@@ -21,25 +20,14 @@ from click.testing import CliRunner, Result
 from capd.api import create_app
 from capd.cli import main
 from capd.client import CapdClient
-from capd.encoder import Encoder, HashEncoder
+from capd.encoder import Encoder
 from capd.errors import UnknownCapability, UnknownSession
 from capd.learned import LearnedStore
 from capd.settings import Settings
+from tests.conftest import GatedEncoder
 from tests.taputil import octomind_tap
 
 Serve = Callable[..., int]
-
-
-class _SlowEncoder(HashEncoder):
-    """Holds the daemon in its loading phase until ``gate`` is set."""
-
-    def __init__(self, gate: threading.Event) -> None:
-        super().__init__()
-        self.gate = gate
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        self.gate.wait(30)
-        return super().embed(texts)
 
 
 def _free_port() -> int:
@@ -114,7 +102,7 @@ def test_status_exits_1_with_the_startup_error_and_0_while_loading(serve: Serve,
     assert _capd("status", port=serve()).exit_code == 0
     gate = threading.Event()
     try:
-        loading = _capd("status", port=serve(encoder=_SlowEncoder(gate), wait=False))
+        loading = _capd("status", port=serve(encoder=GatedEncoder(gate), wait=False))
         assert loading.exit_code == 0 and loading.stdout.startswith("starting  ready=False"), loading.output
     finally:
         gate.set()
