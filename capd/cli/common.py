@@ -50,8 +50,8 @@ class CapdGroup(click.Group):
             ctx.exit(EXIT_ERROR)
 
 
-def settings_options(func: F) -> F:
-    """--config, --tap, --data-dir, --model, --backend: the settings most commands need."""
+def store_options(func: F) -> F:
+    """--config, --tap, --data-dir: where capd's files are."""
     options = [
         click.option("--config", "config", type=click.Path(path_type=Path), default=None,
                      help="Config file (default: $CAPD_CONFIG, else ~/.config/capd/config.toml)."),
@@ -59,13 +59,19 @@ def settings_options(func: F) -> F:
                      help="Tap directory; repeat for several (order is precedence). Env: CAPD_TAPS."),
         click.option("--data-dir", type=click.Path(path_type=Path), default=None,
                      help="Where the vector cache, session state and ONNX export live. Env: CAPD_DATA_DIR."),
-        click.option("--model", default=None, help="Model manifest name (see `capd models`). Env: CAPD_MODEL."),
-        click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None,
-                     help="Encoder backend (default auto = the faster one measured here)."),
     ]
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def settings_options(func: F) -> F:
+    """:func:`store_options` and --model, --backend: the settings most commands need."""
+    func = click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None,
+                        help="Encoder backend (default auto = the faster one measured here).")(func)
+    func = click.option("--model", default=None,
+                        help="Model manifest name (see `capd models`) or directory. Env: CAPD_MODEL.")(func)
+    return store_options(func)
 
 
 def connection_options(func: F) -> F:

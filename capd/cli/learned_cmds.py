@@ -14,7 +14,7 @@ from capd.cli.common import (
     build_settings,
     connection_options,
     emit_json,
-    settings_options,
+    store_options,
 )
 from capd.cli.daemon_cmds import client_for
 from capd.errors import ClientError
@@ -41,11 +41,11 @@ def learned() -> None:
 
 
 @learned.command("list")
-@settings_options
+@store_options
 @click.option("--capability", type=TEXT, default=None, help="Only this capability.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def list_learned(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
-                 backend: str | None, capability: str | None, as_json: bool) -> None:
+def list_learned(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, capability: str | None,
+                 as_json: bool) -> None:
     """Learned examples, by tap and capability (only those of --tap when given).
 
     Example: capd learned list --json
@@ -69,14 +69,14 @@ def list_learned(config: Path | None, taps: tuple[Path, ...], data_dir: Path | N
 
 @learned.command()
 @click.argument("capability", type=TEXT, required=False)
-@settings_options
+@store_options
 @connection_options
 @click.option("--message", type=TEXT, default=None, help="Only this exact message.")
 @click.option("--all", "everything", is_flag=True, help="Forget every learned example (of --tap when given).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], data_dir: Path | None,
-           model: str | None, backend: str | None, host: str | None, port: int | None, uds: Path | None,
-           message: str | None, everything: bool, as_json: bool) -> None:
+           host: str | None, port: int | None, uds: Path | None, message: str | None, everything: bool,
+           as_json: bool) -> None:
     """Forget learned examples of CAPABILITY (or --all), then ask a running daemon to reload.
 
     Example: capd learned forget docker --message "the thing with the boxes is slow"
@@ -106,10 +106,9 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
 
 
 @learned.command()
-@settings_options
+@store_options
 @click.option("--format", "fmt", type=click.Choice(["toml", "json"]), default="toml", show_default=True)
-def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
-           backend: str | None, fmt: str) -> None:
+def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, fmt: str) -> None:
     """Learned triggers as suggested triggers for tap authors, and learned abstains as messages
     that wrongly activated a capability (stdout; nothing is written).
 
