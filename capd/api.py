@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_BODY_BYTES = 256 * 1024
+BODY_TOO_LARGE = f"request body over {MAX_BODY_BYTES} bytes"
 
 
 class ApiError(Exception):
@@ -109,7 +110,7 @@ class _BodyTooLarge(StarletteHTTPException):
     because FastAPI re-raises those from body reading (any other one becomes a 400)."""
 
     def __init__(self) -> None:
-        super().__init__(413, f"request body over {MAX_BODY_BYTES} bytes")
+        super().__init__(413, BODY_TOO_LARGE)
 
 
 def _install_handlers(app: FastAPI) -> None:
@@ -171,7 +172,7 @@ class _Guard:
                 return
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            await _error(413, "too_large", f"request body over {MAX_BODY_BYTES} bytes")(scope, receive, send)
+            await _error(413, "too_large", BODY_TOO_LARGE)(scope, receive, send)
             return
         status = 500
         started = False
@@ -195,11 +196,11 @@ class _Guard:
 
         try:
             await self.app(scope, receive_counting, send_noting_status)
-        except _BodyTooLarge as exc:  # read outside a route's handlers (they answer it themselves)
+        except _BodyTooLarge:  # read outside a route's handlers (they answer it themselves)
             if started:
                 raise
             status = 413
-            await _error(413, "too_large", str(exc.detail))(scope, receive, send)
+            await _error(413, "too_large", BODY_TOO_LARGE)(scope, receive, send)
         except Exception:  # a bug, not bad input: log it, answer JSON
             log.exception("internal error on %s %s", scope["method"], scope["path"])
             if started:

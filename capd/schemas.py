@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 
 from capd.catalog import CapabilityKind, Severity
 from capd.router import DecisionKind
+from capd.text import surrogate_at
 
 SESSION_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"  # capd.sessions.SESSION_ID, for the spec
 SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=SESSION_PATTERN)]
@@ -37,12 +38,8 @@ class _In(BaseModel):
     @field_validator("*")
     @classmethod
     def _text(cls, value: object) -> object:
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"not Unicode text: a lone surrogate (\\u{ord(value[exc.start]):04x}) at "
-                                 f"character {exc.start}") from None
+        if isinstance(value, str) and (at := surrogate_at(value)) is not None:
+            raise ValueError(f"not Unicode text: a lone surrogate (\\u{ord(value[at]):04x}) at character {at}")
         return value
 
 

@@ -17,6 +17,17 @@ import re
 _TAG = re.compile(r"<(/?)([A-Za-z][\w.:-]*)((?:\s+[^<>]*?)?)\s*(/?)>")
 
 
+def surrogate_at(text: str) -> int | None:
+    """Where ``text`` stops being Unicode text (a lone surrogate: JSON's ``\\ud800``, or a byte the
+    terminal's encoding could not decode, PEP 383), or None. No encoder, tokenizer or UTF-8 log
+    line accepts one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def strip_tags(message: str) -> str:
     """Remove whole ``<tag>…</tag>`` blocks (and self-closing tags); keep everything else."""
     spans: list[tuple[int, int]] = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,17 @@ def core_service(model_settings: Settings) -> Any:
     from capd.settings import default_taps
 
     return Service(replace(model_settings, taps=default_taps())).start()
+
+
+@pytest.fixture(scope="session")
+def fused_core(model_settings: Settings) -> Iterator[Any]:
+    """A started Service with the ``fused`` rule on the shipped taps (their capd.toml gates) and the real model."""
+    from capd.service import Service
+    from capd.settings import default_taps
+
+    service = Service(replace(model_settings, taps=default_taps(), rule="fused")).start()
+    yield service
+    service.close()
 
 
 class GatedEncoder(HashEncoder):

@@ -220,11 +220,6 @@ def _top1(router: Router, fixtures: list[Any]) -> float:
 
 
 @pytest.fixture(scope="module")
-def fused_core(model_settings: Settings) -> Service:
-    return Service(dataclasses.replace(model_settings, taps=default_taps(), rule="fused")).start()
-
-
-@pytest.fixture(scope="module")
 def core_fixtures() -> list[Any]:
     return load_fixtures(sorted((CORE / "fixtures").glob("*.jsonl")))
 
@@ -314,7 +309,7 @@ def test_coverage_gate_abstains_with_a_reason_and_zero_turns_it_off(model_settin
 
 def test_fused_default_gates_route_and_abstain(fused_core: Service) -> None:
     router = fused_core.router
-    auto = fused_core.auto_gates  # taps/core has no capd.toml: the auto gates are its default
+    auto = fused_core.auto_gates  # the default for taps without fused gates in a capd.toml
     assert auto is not None and (router.gates.default.threshold, router.gates.default.margin) == (auto.threshold,
                                                                                                     auto.margin)
     hit = router.route("show me the open pull requests on our github repo")

@@ -4,11 +4,8 @@ fixtures, which they never saw. Real model, real tap."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tomllib
-from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +17,10 @@ from capd.encoder import Encoder
 from capd.evaluation import evaluate
 from capd.fixtures import load_fixtures
 from capd.service import Service
-from capd.settings import Settings, default_taps
+from capd.settings import Settings
 
 CORE = Path(__file__).resolve().parent.parent / "taps" / "core"
 LIMITS = {"max_null_fpr": 0.03, "max_wrong": 0.02}  # the tap's floors (fixtures/floors.toml), as calibrated
-
-
-@pytest.fixture(scope="module")
-def fused(model_settings: Settings) -> Iterator[Service]:
-    with closing(Service(dataclasses.replace(model_settings, taps=default_taps(), rule="fused")).start()) as service:
-        yield service
 
 
 def _rows(folder: str) -> list[Any]:
@@ -48,25 +39,25 @@ def test_the_calibration_set_is_apart_from_the_regression_fixtures(real_encoder:
     assert float(similarity.max()) < 0.9  # no near copy (measured 0.87: two different <system-reminder> blocks)
 
 
-def test_the_shipped_gates_are_what_calibrate_fits_on_the_calibration_set(fused: Service) -> None:
+def test_the_shipped_gates_are_what_calibrate_fits_on_the_calibration_set(fused_core: Service) -> None:
     """`capd calibrate --tap taps/core --fixtures taps/core/calibration/*.jsonl --rule fused
     --max-null-fpr 0.03 --max-wrong 0.02 --write` wrote taps/core/capd.toml."""
     shipped = tomllib.loads((CORE / "capd.toml").read_text(encoding="utf-8"))["gates"]["fused"]
-    point = calibrate(fused.router, _rows("calibration"), **LIMITS)["recommended"]
+    point = calibrate(fused_core.router, _rows("calibration"), **LIMITS)["recommended"]
     assert point is not None
     assert {k: point[k] for k in ("threshold", "margin", "coverage")} == pytest.approx(shipped)
 
 
-def test_the_shipped_gates_meet_the_goal_on_fixtures_they_never_saw(fused: Service) -> None:
+def test_the_shipped_gates_meet_the_goal_on_fixtures_they_never_saw(fused_core: Service) -> None:
     """Measured: fired_right 0.833, fired_wrong 0.009, null_fpr 0.033, top1 0.964 (313 rows),
     against 0.581 / 0 / 0.055 with the auto gates a tap without capd.toml gets."""
     fixtures = _rows("fixtures")
-    shipped, _, _ = evaluate(fused.router, fixtures)
+    shipped, _, _ = evaluate(fused_core.router, fixtures)
     assert shipped["fired_right"] >= 0.80 and shipped["top1"] >= 0.90
     assert shipped["fired_wrong"] <= 0.03 and shipped["null_fpr"] <= 0.05
-    auto = fused.auto_gates
+    auto = fused_core.auto_gates
     assert auto is not None
-    without, _, _ = evaluate(fused.router, fixtures, auto.threshold, auto.margin, auto.coverage)
+    without, _, _ = evaluate(fused_core.router, fixtures, auto.threshold, auto.margin, auto.coverage)
     assert shipped["fired_right"] >= without["fired_right"] + 0.15
     assert np.isclose(shipped["threshold"], -0.37)  # the tap's gates were in force, not the auto gates
 

@@ -16,6 +16,7 @@ import click
 
 from capd.errors import CapdError, DaemonUnreachable
 from capd.settings import Settings, check_setting, load_settings
+from capd.text import surrogate_at
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -94,11 +95,8 @@ class _Text(click.ParamType[str]):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         text = str(value)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            self.fail(f"not text in the terminal's encoding (an undecodable byte at character {exc.start})",
-                      param, ctx)
+        if (at := surrogate_at(text)) is not None:
+            self.fail(f"not text in the terminal's encoding (an undecodable byte at character {at})", param, ctx)
         return text
 
 
@@ -123,22 +121,23 @@ def _given(flags: dict[str, Any]) -> list[str]:
     return [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None and v != () and v is not False]
 
 
-def tap_only(**flags: Any) -> None:
-    """Flags of the in-process mode given without --tap: a usage error, not silently ignored."""
+def _refuse(flags: dict[str, Any], where: str, hint: str = "") -> None:
+    """Flags given in the mode they do not apply to: a usage error, not silently ignored."""
     names = _given(flags)
     if names:
         one = len(names) == 1
-        raise Failed(f"{', '.join(names)} appl{'ies' if one else 'y'} with --tap; a running daemon uses its own "
-                     f"(set {'it' if one else 'them'} when starting `capd serve`)", EXIT_USAGE)
+        raise Failed(f"{', '.join(names)} appl{'ies' if one else 'y'} {where}"
+                     + hint.format(it="it" if one else "them"), EXIT_USAGE)
+
+
+def tap_only(**flags: Any) -> None:
+    """Flags of the in-process mode, given without --tap."""
+    _refuse(flags, "with --tap; a running daemon uses its own", " (set {it} when starting `capd serve`)")
 
 
 def daemon_only(**flags: Any) -> None:
-    """Flags that talk to the running daemon given with --tap: a usage error, not silently ignored."""
-    names = _given(flags)
-    if names:
-        one = len(names) == 1
-        raise Failed(f"{', '.join(names)} appl{'ies' if one else 'y'} to a running daemon, not with --tap "
-                     "(which runs in-process)", EXIT_USAGE)
+    """Flags that talk to the running daemon, given with --tap."""
+    _refuse(flags, "to a running daemon, not with --tap (which runs in-process)")
 
 
 def write_file(path: Path, text: str) -> None:
