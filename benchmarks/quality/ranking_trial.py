@@ -1,0 +1,192 @@
+"""Research harness for the fused rule's ranking inputs: lexical weight, common words, head features.
+
+Run: ``.venv/bin/python -m benchmarks.quality.ranking_trial [--sets a,b] [--lexical 0,0.005,0.01,0.02]
+[--common 0,1000,3000] [--layers "6;4,5,6"]`` (about 4 minutes for every set).
+
+Per set, the shipped fused rule first, then each variant on its own (the others as shipped):
+
+- ``--lexical W``: BM25's weight ``W_BM`` (``FusedHead.lexical_weight``; shipped 0.02), with each
+  weight's out-of-fold top1 on the tap's own examples (the folds of :mod:`capd.autogates`): could a
+  tap choose its weight from its examples?
+- ``--common R``: the R most frequent whole words of the model's vocabulary (its ``vocab.txt``,
+  ordered by frequency after the single characters) added to BM25's stop words, so that only
+  rarer words (names, products) count as lexical evidence.
+- ``--layers L``: the head fitted on, and applied to, the concatenation of the mean-pooled,
+  unit-normalised hidden states of layers L (6 is the last of MiniLM's; the sentence vector),
+  scaled to unit length; the nearest-example scores stay on the sentence vectors. Layer
+  features come from torch (``transformers``) over the model's directory.
+
+Reports top1 on the fit and held-out positives and the held-out metrics at the gates calibrated on
+the fit part (as ``make quality`` does), and writes ``benchmarks/results/ranking_trial.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.quality.run import EVALSETS, LIMITS, RESULTS, SETS, find_sets, gated, trial_bench
+from capd import fused
+from capd.autogates import AUTO_FOLDS, Examples, _head, _score, examples_of, folds
+from capd.calibrate import best_point, grid_for, split
+from capd.encoder import TokenVectors
+from capd.evaluation import ScoreTable, score_table
+from capd.fixtures import load_fixtures
+from capd.models import manifest_for, resolve
+from capd.settings import Settings
+
+
+def model_directory() -> Path:
+    return resolve(manifest_for(Settings(taps=()))).directory
+
+
+def common_words(directory: Path) -> list[str]:
+    """Whole words of the model's vocabulary in its order (frequency, for BERT's WordPiece vocabulary)."""
+    vocabulary = (directory / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    return [w for w in vocabulary[vocabulary.index("the"):] if re.fullmatch(r"[a-z]+", w)]
+
+
+class LayerFeatures:
+    """Mean-pooled, unit-normalised hidden states of every layer, per text (memoised)."""
+
+    def __init__(self, directory: Path) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        self._model = AutoModel.from_pretrained(str(directory)).eval()
+        self._memo: dict[str, np.ndarray] = {}
+
+    def __call__(self, texts: Sequence[str], layers: Sequence[int]) -> np.ndarray:
+        import torch
+
+        missing = [t for t in dict.fromkeys(texts) if t not in self._memo]
+        for start in range(0, len(missing), 64):
+            chunk = missing[start:start + 64]
+            batch = self._tokenizer(chunk, padding=True, truncation=True, max_length=256, return_tensors="pt")
+            with torch.no_grad():
+                states = self._model(**batch, output_hidden_states=True).hidden_states
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            pooled = torch.stack([(h * mask).sum(1) / mask.sum(1) for h in states], 1).numpy()
+            pooled /= np.linalg.norm(pooled, axis=-1, keepdims=True)
+            self._memo.update(zip(chunk, pooled.astype(np.float32), strict=True))
+        rows = np.stack([self._memo[t] for t in texts])
+        joined = np.concatenate([rows[:, layer] for layer in layers], axis=1) / np.sqrt(len(layers))
+        return np.asarray(joined, dtype=np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerHead(fused.FusedHead):
+    """A fused head whose logistic regression reads layer features instead of the sentence vector."""
+
+    features: Callable[[Sequence[str]], np.ndarray] | None = None
+
+    def score(self, knn: fused.Floats, vectors: fused.Floats, texts: Sequence[str],
+              tokens: TokenVectors | None = None) -> fused.Scores:
+        assert self.features is not None
+        return super().score(knn, self.features(list(texts)), texts, tokens)
+
+
+def out_of_fold_top1(examples: Examples, weights: Sequence[float]) -> dict[float, float]:
+    """Top1 of every example scored by the fold heads of :mod:`capd.autogates`, per lexical weight."""
+    fold_of, right, scored = folds(examples.labels), dict.fromkeys(weights, 0), 0
+    matrices = examples.head.tokens.matrices() if examples.head.tokens is not None else {}
+    for fold in range(AUTO_FOLDS):
+        held = fold_of == fold
+        kept = np.bincount(examples.labels[~held], minlength=len(examples.names))
+        held &= kept[examples.labels] > 0
+        if not held.any():
+            continue
+        train, rows = np.flatnonzero(~held), np.flatnonzero(held)
+        texts = [examples.texts[i] for i in rows]
+        head = _head(examples, train)
+        tokens = [matrices[t] for t in texts] if matrices else None
+        for weight in weights:
+            scores = _score(dataclasses.replace(head, lexical_weight=weight), examples, train,
+                            examples.vectors[rows], texts, tokens)
+            right[weight] += int((scores.winner == examples.labels[rows]).sum())
+        scored += len(rows)
+    return {w: right[w] / max(scored, 1) for w in weights}
+
+
+def measure(table: ScoreTable, fit_rows: np.ndarray, held_rows: np.ndarray) -> dict[str, Any]:
+    winner, _, _ = table.gate_inputs()
+    right = table.expected[np.arange(len(winner)), winner] & table.positive
+    fit_pos, held_pos = fit_rows[table.positive[fit_rows]], held_rows[table.positive[held_rows]]
+    point, _ = best_point({fused.TOP_K: table.subset(fit_rows)}, grid=grid_for("fused"), **LIMITS)
+    return {"top1_fit": round(float(right[fit_pos].mean()), 4), "top1_held": round(float(right[held_pos].mean()), 4),
+            "held_out": None if point is None else gated(table, held_rows, point)}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", default=",".join(SETS))
+    parser.add_argument("--lexical", default="0,0.005,0.01,0.02", help="BM25 weights (shipped 0.02)")
+    parser.add_argument("--common", default="1000,3000", help="how many common words become stop words")
+    parser.add_argument("--layers", default="4,5,6;3,4,5,6", help="';'-separated layer lists for the head")
+    parser.add_argument("--out", type=Path, default=RESULTS / "ranking_trial.json")
+    args = parser.parse_args(argv)
+    lexical = [float(w) for w in args.lexical.split(",") if w]
+    commons = [int(r) for r in args.common.split(",") if r]
+    layer_sets = [tuple(int(x) for x in group.split(",")) for group in args.layers.split(";") if group]
+    directory = model_directory()
+    vocabulary = common_words(directory)
+    layer_features = LayerFeatures(directory) if layer_sets else None
+    found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "skipped": skipped, "results": []}
+    stop_words = fused._STOP
+    with trial_bench("ranking") as bench:
+        for evalset in found:
+            fixtures = load_fixtures(evalset.fixture_files)
+            fit_rows, held_rows = split(fixtures)
+            service = bench.service(evalset.tap, "fused")
+            router, head = service.router, service.router.head
+            assert head is not None
+            vectors, tokens = bench.vectors(service, fixtures), bench.tokens(service, fixtures)
+            examples = examples_of(router.index, head, router.encoder.embed_tokens)
+            assert examples is not None
+            documents = [[examples.texts[i] for i in np.flatnonzero(examples.labels == c)]
+                         for c in range(len(examples.names))]
+            oof = out_of_fold_top1(examples, lexical)
+            variants: list[tuple[str, fused.FusedHead, float | None]] = [("shipped", head, None)]
+            variants += [(f"lexical {w:g}", dataclasses.replace(head, lexical_weight=w), oof[w]) for w in lexical]
+            for count in commons:
+                fused._STOP = stop_words | frozenset(vocabulary[:count])
+                variants.append((f"common {count}", dataclasses.replace(head, lexicon=fused.Lexicon(documents)), None))
+                fused._STOP = stop_words
+            for layers in layer_sets:
+                assert layer_features is not None
+
+                def features(texts: Sequence[str], layers: tuple[int, ...] = layers) -> np.ndarray:
+                    assert layer_features is not None
+                    return layer_features(texts, layers)
+
+                weight, bias = fused.fit_head(features(examples.texts), examples.labels, len(examples.names))
+                fields = {f.name: getattr(head, f.name) for f in dataclasses.fields(fused.FusedHead)}
+                variants.append((f"layers {','.join(map(str, layers))}",
+                                 LayerHead(**{**fields, "weight": weight, "bias": bias}, features=features), None))
+            for label, variant, oof_top1 in variants:
+                router.head = variant
+                entry = {"set": evalset.name, "variant": label, "oof_top1": oof_top1,
+                         **measure(score_table(router, fixtures, vectors=vectors, tokens=tokens), fit_rows, held_rows)}
+                report["results"].append(entry)
+                held = entry["held_out"]
+                print(f"{evalset.name:20s} {label:16s} top1 fit {entry['top1_fit']:.3f} held {entry['top1_held']:.3f}"
+                      + ("" if oof_top1 is None else f" oof {oof_top1:.3f}") + " | held out: "
+                      + ("no feasible point" if held is None else " ".join(
+                          f"{k} {'—' if held[k] is None else round(held[k], 3)}"
+                          for k in ("fired_right", "fired_wrong", "null_fpr"))), flush=True)
+            router.head = head
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
