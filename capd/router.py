@@ -136,6 +136,19 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
     return GateBook(default=default, by_tap=MappingProxyType(by_tap))
 
 
+def taps_set_gates(catalog: Catalog, rule: str, model: str | None = None) -> bool:
+    """Whether every tap that provides a capability sets its own threshold and margin for ``rule``
+    in a ``capd.toml`` calibrated for ``model`` (then the model's gates, auto gates included, gate
+    nothing; :func:`build_gatebook` applies the same model filter)."""
+    for tap in {capability.tap for capability in catalog}:
+        config = catalog.tap_configs.get(tap)
+        if config is None or (model is not None and config.model not in (None, model)):
+            return False
+        if not {"threshold", "margin"} <= config.gates_for(rule).keys():
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class Decision:
     decision: DecisionKind

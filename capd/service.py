@@ -36,7 +36,17 @@ from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import KINDS, Corrections, LearnedStore
 from capd.metrics import Metrics
 from capd.models import HASH_MODEL, manifest_for, resolve
-from capd.router import Decision, GateBook, Gates, Router, Vetoes, abstain_corpus, build_gatebook, example_catalog
+from capd.router import (
+    Decision,
+    GateBook,
+    Gates,
+    Router,
+    Vetoes,
+    abstain_corpus,
+    build_gatebook,
+    example_catalog,
+    taps_set_gates,
+)
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
@@ -304,13 +314,9 @@ class Service:
             return embedder.embed(texts)[0]
 
         vetoes = Vetoes.build(refused, vectors_of)
-        # threshold and margin given: no auto gates (a coverage gate alone is not fitted; it comes from the
-        # settings, a tap's capd.toml or the manifest)
-        settled = self.settings.threshold is not None and self.settings.margin is not None
         with self._fitting_threads():
             head = self._fused_head(fresh.matrices) if rule == "fused" else None
-            self.auto_gates = (self._auto_gates(head) if head is not None and self.settings.auto_gates
-                               and not settled else None)
+            self.auto_gates = self._auto_gates(head) if head is not None and self._gated_by_auto(catalog) else None
         gates = self._gatebook(catalog, self.auto_gates)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
@@ -489,7 +495,29 @@ class Service:
         assert self.index is not None
         return {name: self.index.fingerprint_of(name) or "" for name in names}
 
-    def _auto_gates(self, head: FusedHead) -> Point | None:
+    def _gated_by_auto(self, catalog: Catalog) -> bool:
+        """Whether auto gates would gate anything: not when they are off, when the settings give
+        threshold and margin (a coverage gate alone is not fitted; it comes from the settings, a
+        tap's capd.toml or the manifest), or when every tap sets its own fused gates (taps/core
+        does: fitting them anyway cost 4-6 s of its first fused start). A tap added later without
+        gates gets them at that reload."""
+        return self._auto_allowed and not taps_set_gates(catalog, "fused", self.gate_model)
+
+    @property
+    def _auto_allowed(self) -> bool:
+        return self.settings.auto_gates and (self.settings.threshold is None or self.settings.margin is None)
+
+    def fit_auto_gates(self) -> Point | None:
+        """The auto gates of the served examples, fitted now (and cached) if the start skipped them
+        because every tap sets its own: what the taps would get without their ``capd.toml``, which
+        ``capd calibrate`` and ``make quality`` compare against. None when auto gates are off or the
+        rule is not ``fused``."""
+        head = self.router.head
+        if self.auto_gates is not None or head is None or not self._auto_allowed:
+            return self.auto_gates
+        return self._auto_gates(head, install=False)
+
+    def _auto_gates(self, head: FusedHead, install: bool = True) -> Point | None:
         """The fused gates fitted on the examples (cached by the head's key), logged when fitted."""
         assert self.index is not None and self.encoder is not None
         examples = examples_of(self.index, head, self.encoder.embed_tokens)
@@ -504,7 +532,10 @@ class Service:
 
         fit = auto_gates(examples, abstain_corpus(), embed_corpus, head.key, self.settings.data_dir / "heads",
                          encoder.model_id, self._fingerprints(examples.names), self._auto_fit)
-        self._auto_fit, point = fit, fit.point
+        point = fit.point
+        if not install:
+            return point
+        self._auto_fit = fit
         if point is not None and point != self.auto_gates:
             log.info("fused auto gates: threshold %.2f, margin %.2f, coverage %.2f (examples out of fold: "
                      "fired_right %.2f, fired_wrong %.2f; abstain corpus fired %.2f)", point.threshold, point.margin,

@@ -173,6 +173,30 @@ def test_a_taps_gates_and_the_settings_override_the_auto_gates(settings_factory:
         assert service.router.gates.for_tap(tap.absolute()).threshold == 0.5
 
 
+def test_no_auto_gates_are_fitted_where_every_tap_sets_its_own(settings_factory: SettingsFactory,
+                                                                tmp_path: Path) -> None:
+    """They would gate nothing: the start skips them (and their cost), ``fit_auto_gates`` still gives
+    them for comparisons, and a reload that leaves a tap without gates of its own fits them."""
+    tap = _tap(tmp_path / "tap")
+    settings = settings_factory(taps=(tap,), rule="fused")
+    with closing(Service(settings).start()) as service:
+        fitted = service.auto_gates
+    assert fitted is not None
+    own = tap / "capd.toml"
+    own.write_text("model = \"hash\"\n[gates.fused]\nthreshold = 0.25\nmargin = 0.5\n")
+    settings = dataclasses.replace(settings, data_dir=tmp_path / "d2")
+    with closing(Service(settings).start()) as service:
+        assert service.auto_gates is None and not list((settings.data_dir / "heads").glob("*.auto.json"))
+        assert service.router.gates.for_tap(tap.absolute()).threshold == 0.25
+        assert service.fit_auto_gates() == fitted and service.auto_gates is None  # compared, not installed
+        own.write_text("model = \"hash\"\n[gates.fused]\nthreshold = 0.25\n")  # no margin of its own
+        service.reload([own])
+        assert service.auto_gates == fitted and service.router.gates.for_tap(tap.absolute()).threshold == 0.25
+    own.write_text("model = \"another-model\"\n[gates.fused]\nthreshold = 0.25\nmargin = 0.5\n")
+    with closing(Service(dataclasses.replace(settings, data_dir=tmp_path / "d3")).start()) as service:
+        assert service.auto_gates == fitted  # gates calibrated for another model gate nothing here
+
+
 def test_auto_gates_can_be_turned_off(tmp_path: Path) -> None:
     settings = load_settings(env={"CAPD_AUTO_GATES": "false", "HOME": str(tmp_path)})
     assert settings.auto_gates is False

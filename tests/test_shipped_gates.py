@@ -55,7 +55,7 @@ def test_the_shipped_gates_meet_the_goal_on_fixtures_they_never_saw(fused_core: 
     shipped, _, _ = evaluate(fused_core.router, fixtures)
     assert shipped["fired_right"] >= 0.80 and shipped["top1"] >= 0.90
     assert shipped["fired_wrong"] <= 0.03 and shipped["null_fpr"] <= 0.05
-    auto = fused_core.auto_gates
+    auto = fused_core.fit_auto_gates()
     assert auto is not None
     without, _, _ = evaluate(fused_core.router, fixtures, auto.threshold, auto.margin, auto.coverage)
     assert shipped["fired_right"] >= without["fired_right"] + 0.15

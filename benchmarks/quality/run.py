@@ -217,7 +217,7 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
         "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows, Gates(
             default["threshold"], default["margin"], coverage=default.get("coverage", 0.0)))},
     }
-    if (auto := service.auto_gates) is not None:  # fused: fitted on the tap's examples, no fixture seen
+    if (auto := service.fit_auto_gates()) is not None:  # fused: fitted on the tap's examples, no fixture seen
         table = tables[auto.top_k]
         out["auto"] = {"gates": auto.as_dict(), "held_out": gated(table, held_rows, auto),
                        "fit": gated(table, fit_rows, auto)}

@@ -256,7 +256,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
     check_names(fixtures, service.catalog_now().capabilities)
-    report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.auto_gates)
+    report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.fit_auto_gates())
     point = report["recommended"]
     if write and point is not None:
         report["written"] = [str(write_gates(Path(t), point, service.gate_model, settings.rule)) for t in settings.taps]
