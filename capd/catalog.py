@@ -234,6 +234,14 @@ class Catalog:
     def trigger_count(self) -> int:
         return sum(len(c.triggers) for c in self)
 
+    def changes_from(self, before: Catalog | None) -> tuple[list[str], list[str], list[str]]:
+        """(added, removed, changed) capability names since ``before`` (None: all added), by
+        content fingerprint: what a reload reports, whether or not a capability has triggers."""
+        old = {c.name: c.fingerprint for c in before} if before is not None else {}
+        new = {c.name: c.fingerprint for c in self}
+        return ([n for n in new if n not in old], [n for n in old if n not in new],
+                [n for n in new if n in old and new[n] != old[n]])
+
     def gates_for(self, capability: Capability) -> Mapping[str, float]:
         config = self.tap_configs.get(capability.tap)
         return config.gates if config else MappingProxyType({})

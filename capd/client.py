@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from capd.errors import CapdError, ClientError, DaemonUnreachable, UnknownCapability, UnknownSession
+from capd.sessions import check_session_id
 
 
 class ApiError(ClientError):
@@ -44,6 +45,14 @@ def _error(response: httpx.Response, session: str | None, name: object) -> CapdE
     return ApiError(response.status_code, error, detail)
 
 
+def _session_path(session: str, action: str = "") -> str:
+    """``/v1/sessions/<id>[/<action>]``, the id checked first: sent as it is, an id such as
+    ``a/../b`` would name another session (HTTP clients collapse ``..``), so the daemon's rule
+    (:func:`capd.sessions.check_session_id`) is applied here and a bad id raises
+    :class:`capd.errors.InvalidSessionId` before anything is sent."""
+    return f"/v1/sessions/{check_session_id(session)}" + (f"/{action}" if action else "")
+
+
 class CapdClient:
     def __init__(self, url: str = "http://127.0.0.1:7171", token: str | None = None, uds: str | None = None,
                  timeout: float = 10.0) -> None:
@@ -68,6 +77,9 @@ class CapdClient:
         """One request; ``session`` is the session id in ``path``, for :class:`UnknownSession`."""
         try:
             response = self._http.request(method, path, json=body, params=params)
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"), which no UTF-8 request can carry
+            raise ClientError("the request is not Unicode text: it holds a lone surrogate "
+                              f"({exc.object[exc.start:exc.end]!r})") from None
         except httpx.TransportError as exc:
             raise DaemonUnreachable(f"no capd daemon answering at {self._where} ({exc.__class__.__name__}); "
                                     "start one with `capd serve` (or `make serve` in a checkout)") from None
@@ -96,23 +108,23 @@ class CapdClient:
         return result
 
     def session(self, session: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("GET", f"/v1/sessions/{session}", session=session)
+        result: dict[str, Any] = self._call("GET", _session_path(session), session=session)
         return result
 
     def drop(self, session: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("DELETE", f"/v1/sessions/{session}", session=session)
+        result: dict[str, Any] = self._call("DELETE", _session_path(session), session=session)
         return result
 
     def enable(self, session: str, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/enable", {"name": name}, session=session)
+        result: dict[str, Any] = self._call("POST", _session_path(session, "enable"), {"name": name}, session=session)
         return result
 
     def disable(self, session: str, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/disable", {"name": name}, session=session)
+        result: dict[str, Any] = self._call("POST", _session_path(session, "disable"), {"name": name}, session=session)
         return result
 
     def tool_result(self, session: str, server: str, tool: str, ok: bool) -> list[str]:
-        result: list[str] = self._call("POST", f"/v1/sessions/{session}/tool-result",
+        result: list[str] = self._call("POST", _session_path(session, "tool-result"),
                                        {"server": server, "tool": tool, "ok": ok}, session=session)["bumped"]
         return result
 
@@ -127,5 +139,5 @@ class CapdClient:
     def capability_call(self, session: str, action: str, name: str | None = None,
                         intent: str | None = None) -> dict[str, Any]:
         body = {"action": action, "name": name, "intent": intent}
-        result: dict[str, Any] = self._call("POST", f"/v1/sessions/{session}/capability", body, session=session)
+        result: dict[str, Any] = self._call("POST", _session_path(session, "capability"), body, session=session)
         return result

@@ -169,6 +169,16 @@ class Decision:
         }
 
 
+def shown(value: float, gate: float) -> tuple[str, str]:
+    """``value`` and the ``gate`` it missed, with as many decimals as it takes for them to differ
+    in a reason (a 0.0788 margin under 0.08 reads "0.079 below 0.080", not "0.08 below 0.08")."""
+    for digits in (2, 3, 4):
+        pair = f"{value:.{digits}f}", f"{gate:.{digits}f}"
+        if pair[0] != pair[1]:
+            break
+    return pair
+
+
 def gate(ranked: Sequence[tuple[str, float]], gates: Gates) -> tuple[bool, float, str]:
     """Apply threshold and margin to a ranking; returns (fire, margin, reason)."""
     if not ranked:
@@ -177,10 +187,12 @@ def gate(ranked: Sequence[tuple[str, float]], gates: Gates) -> tuple[bool, float
     top2 = ranked[1][1] if len(ranked) > 1 else 0.0
     margin = top1 - top2
     if top1 < gates.threshold:
-        return False, margin, f"best {top1:.2f} below threshold {gates.threshold:.2f}"
+        value, limit = shown(top1, gates.threshold)
+        return False, margin, f"best {value} below threshold {limit}"
     if margin < gates.margin:
         runner = ranked[1][0]
-        return False, margin, f"margin {margin:.2f} between {name} and {runner} below {gates.margin:.2f}"
+        value, limit = shown(margin, gates.margin)
+        return False, margin, f"margin {value} between {name} and {runner} below {limit}"
     return True, margin, f"{name} {top1:.2f} clears threshold {gates.threshold:.2f} and margin {gates.margin:.2f}"
 
 
@@ -452,16 +464,17 @@ class Router:
             return Decision("already_active", f"{name} is already active", name, level, gap, candidates)
         gates = self._gates_for(name)
         if level < gates.threshold:
-            return Decision("abstain", f"{name} level {level:.2f} below threshold {gates.threshold:.2f}", name,
-                            level, gap, candidates)
+            value, limit = shown(level, gates.threshold)
+            return Decision("abstain", f"{name} level {value} below threshold {limit}", name, level, gap, candidates)
         if gap < gates.margin:
             runner = candidates[1][0] if len(candidates) > 1 else "-"
-            return Decision("abstain", f"margin {gap:.2f} between {name} and {runner} below {gates.margin:.2f}",
+            value, limit = shown(gap, gates.margin)
+            return Decision("abstain", f"margin {value} between {name} and {runner} below {limit}",
                             name, level, gap, candidates)
         if not gates.covers(coverage):
-            return Decision("abstain", f"{name}'s examples cover the message's words {coverage:.2f}, below coverage "
-                            f"{gates.coverage:.2f}: much of what it says is unlike anything they say", name, level,
-                            gap, candidates)
+            value, limit = shown(coverage, gates.coverage)
+            return Decision("abstain", f"{name}'s examples cover the message's words {value}, below coverage "
+                            f"{limit}: much of what it says is unlike anything they say", name, level, gap, candidates)
         covered = f", coverage {coverage:.2f} clears {gates.coverage:.2f}" if gates.coverage > 0 else ""
         return self._vetoed(vector, name, level, gap, candidates) or Decision(
             "activate", f"{name} level {level:.2f} clears threshold {gates.threshold:.2f} and margin "

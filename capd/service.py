@@ -276,6 +276,7 @@ class Service:
         """Rescan taps and swap in the new catalog atomically; returns what changed."""
         assert self.embedder is not None and self.index is not None and self.encoder is not None
         with self._lock:
+            before = self._snapshot.catalog if self._snapshot is not None else None
             catalog = self._load_taps(changed)
             if self.tuning.enabled and self.tuning.key is None and self.ready_after is None:
                 self._adopt_cached_tuning(catalog)  # a restart starts on its tuned model: embeds once
@@ -286,9 +287,9 @@ class Service:
         for problem in catalog.errors:
             log.error("tap error: %s", problem)
         self._warn_unknown_pinned(catalog)
-        return {"capabilities": len(catalog), "added": list(report.added), "removed": list(report.removed),
-                "changed": list(report.changed), "embedded": report.embedded, "cached": report.cached,
-                "errors": [p.as_dict() for p in catalog.errors]}
+        added, removed, edited = catalog.changes_from(before)
+        return {"capabilities": len(catalog), "added": added, "removed": removed, "changed": edited,
+                "embedded": report.embedded, "cached": report.cached, "errors": [p.as_dict() for p in catalog.errors]}
 
     def _warn_unknown_pinned(self, catalog: Catalog) -> None:
         """A pinned name the catalog lacks is ignored until a tap provides it (taps reload live, so
@@ -606,9 +607,11 @@ class Service:
             return self._routed(prepared, session, started)
         snapshot, text = prepared
         vector, tokens = await snapshot.router.aembed(text)
-        if snapshot.router.index.trigger_count > OFFLOAD_TRIGGERS:
-            # Scoring a large index takes milliseconds of numpy (GIL released): in a thread it
-            # overlaps other requests' encoding instead of stalling the event loop.
+        if session is not None or snapshot.router.index.trigger_count > OFFLOAD_TRIGGERS:
+            # Off the event loop: with a session, the decision is committed to the session store
+            # (a disk write, which waits when another process holds the file), and scoring a large
+            # index takes milliseconds of numpy (GIL released), which in a thread overlaps other
+            # requests' encoding.
             result = await asyncio.to_thread(self._decide, snapshot, text, vector, session, tokens)
         else:
             result = self._decide(snapshot, text, vector, session, tokens)
@@ -633,7 +636,8 @@ class Service:
             return RouteResult(router.decide(vector, (), text, tokens))
         with self.registry.locked(session):
             decision = router.decide(vector, self.registry.active_names(session), text, tokens)
-            if decision.decision == "activate" and decision.capability is not None:
+            if decision.decision in ("activate", "already_active") and decision.capability is not None:
+                # already active: routed to again, it is about to be used, so its last_used is refreshed
                 plan = self.registry.activate(session, decision.capability, "auto")
             else:
                 plan = self.registry.reconcile(session)

@@ -15,7 +15,9 @@ Decisions where DESIGN.md is silent:
   reconcile): its first plan carries the start items of the pinned capabilities.
 - **Re-activating** an active capability changes nothing but ``last_used`` (the plan is
   empty apart from ``active``); ``manual`` upgrades an ``auto`` entry (the user asked for it
-  explicitly; both stay evictable), and an origin is never downgraded.
+  explicitly; both stay evictable), and an origin is never downgraded. A route whose winner
+  is already active (``already_active``) re-activates it: the agent is about to use it, so
+  it must not be the next one evicted.
 - **Start** items come one per server of the new capability, even when that server already
   runs for another capability of the session: the agent adds this capability's tools to the
   running server. Servers are identified by name within a session.
@@ -30,7 +32,11 @@ Decisions where DESIGN.md is silent:
   changed across a restart are applied there too: a formerly pinned capability becomes
   ``manual``, and the LRU is trimmed to ``max_active``.
 - **Idle** (for ``ttl``): every call on a session except the reads (get, active_names,
-  sessions) touches it, including a failed tool result.
+  sessions) touches it, including a failed tool result. A session idle past ``ttl`` is gone
+  whether or not the periodic sweep (:meth:`SessionRegistry.expire`, every 60 s in the
+  daemon) has dropped it yet: reads and tool results find no session, and a plan-returning
+  call starts it afresh, its plan tearing down what it had (pinned capabilities stay);
+  ``drop`` still returns that teardown.
 - **Persistence failures** (:class:`~capd.errors.StateError` from the store) are logged, the
   registry keeps serving from the store's in-memory copy, and the next write retries.
 - ``{{ENV:…}}`` placeholders in server specs are passed through verbatim, never resolved.
@@ -256,9 +262,9 @@ class SessionRegistry:
     def deactivate(self, session: str, name: str) -> Plan:
         """Remove ``name`` (idempotent). Pinned → PinnedCapability; never active and not in the catalog → Unknown."""
         with self.locked(session):
-            if name in self.pinned:
-                raise PinnedCapability(name)
             catalog = self._catalog()
+            if name in self.pinned and name in catalog:  # a pinned name no tap provides is ignored, so unknown
+                raise PinnedCapability(name)
             if name not in catalog and name not in self.active_names(session):
                 raise UnknownCapability(name)
             now = self._clock()
@@ -288,9 +294,12 @@ class SessionRegistry:
             return self._commit(self._begin(session, catalog, now), now)
 
     def drop(self, session: str) -> Plan:
-        """Forget a session; the plan tears down everything it had. UnknownSession if absent."""
+        """Forget a session; the plan tears down everything it had (idle past ``ttl`` too, until
+        the sweep has dropped it). UnknownSession if absent."""
         with self.locked(session):
-            record = self._require(session)
+            record = self.store.get(check_session_id(session))
+            if record is None:
+                raise UnknownSession(session)
             change = _Change(record)
             for entry in record.active:
                 change.remove(entry.name)
@@ -315,11 +324,12 @@ class SessionRegistry:
 
     def active_names(self, session: str) -> tuple[str, ...]:
         """Active capability names in stable order; empty for an unknown session."""
-        record = self.store.get(check_session_id(session))
+        record = self._record(session)
         return tuple(a.name for a in _ordered(record.active)) if record else ()
 
     def sessions(self) -> tuple[str, ...]:
-        return self.store.ids()
+        """The live sessions' ids (not those idle past ``ttl`` that the sweep has yet to drop)."""
+        return tuple(session for session in self.store.ids() if self._record(session) is not None)
 
     def expire(self) -> list[str]:
         """Drop sessions idle for longer than ``ttl``; returns their ids."""
@@ -335,21 +345,30 @@ class SessionRegistry:
         return expired
 
     # -- internals ---------------------------------------------------------------------------------
-    def _require(self, session: str) -> SessionRecord:
+    def _record(self, session: str) -> SessionRecord | None:
+        """The session's record; None if there is none or it has been idle past ``ttl`` (left for
+        the sweep or the next plan, which tears its capabilities down: see the module docstring)."""
         record = self.store.get(check_session_id(session))
+        return None if record is None or self._clock() - record.last_seen > self.ttl else record
+
+    def _require(self, session: str) -> SessionRecord:
+        record = self._record(session)
         if record is None:
             raise UnknownSession(session)
         return record
 
     def _begin(self, session: str, catalog: Catalog, now: float) -> _Change:
         record = self.store.get(session)
+        expired = record is not None and now - record.last_seen > self.ttl
+        if expired:
+            log.info("session %s was idle past the ttl: its capabilities are torn down", session)
         if record is None:
             log.debug("session %s created", session)
             record = SessionRecord(session, now, 0)
         change = _Change(record)
         pinned = set(self.pinned)
         for entry in _ordered(change.active.values()):
-            if entry.name not in catalog:
+            if entry.name not in catalog or (expired and entry.name not in pinned):
                 change.remove(entry.name)
             elif (entry.origin == "pinned") != (entry.name in pinned):
                 change.active[entry.name] = replace(entry, origin="pinned" if entry.name in pinned else "manual")

@@ -13,8 +13,12 @@ hands the store immutable :class:`SessionRecord` values to keep.
   forward, a newer file is refused with :class:`~capd.errors.StateError`.
 - Opening an unusable file or directory raises :class:`~capd.errors.StateError`. A write
   that fails later (read-only directory, full disk, locked file) updates the cache anyway,
-  keeps the change pending and raises :class:`~capd.errors.StateError`; the next write
-  retries every pending change, so a running daemon can keep serving from memory.
+  keeps the change pending and raises :class:`~capd.errors.StateError`; a write after
+  :data:`RETRY_AFTER` retries every pending change, so a running daemon keeps serving from
+  memory. A write waits at most :data:`WRITE_WAIT` for another process's lock on the file
+  (opening waits up to :data:`OPEN_WAIT`), and the writes before the retry fail at once:
+  with the file held by another process, every session call used to wait out SQLite's 5 s
+  busy timeout, one after another.
 - ``SessionStore(path, memory=True)`` keeps everything in an in-memory database: the
   service falls back to it (with a warning and an error in ``/v1/health``) when the file
   cannot be opened at start, so a read-only data directory still gives a working daemon.
@@ -26,7 +30,8 @@ import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -38,6 +43,9 @@ log = logging.getLogger(__name__)
 
 FILENAME = "sessions.sqlite3"
 SCHEMA_VERSION = 1
+OPEN_WAIT = 5.0  # seconds opening (and migrating) the file waits for another process's lock
+WRITE_WAIT = 0.5  # seconds a write waits for it (capd's own writes are serialised; only others hold it)
+RETRY_AFTER = 2.0  # seconds after a failed write before the file is tried again
 Origin = Literal["auto", "manual", "pinned"]
 ORIGINS: tuple[Origin, ...] = ("auto", "manual", "pinned")
 
@@ -114,12 +122,16 @@ def _decode(session: str, last_seen: float, next_seq: int, active: str) -> Sessi
 class SessionStore:
     """Sessions in SQLite, cached in memory. Thread-safe; a write holds the file only to commit."""
 
-    def __init__(self, path: Path | str, *, timeout: float = 5.0, memory: bool = False) -> None:
+    def __init__(self, path: Path | str, *, timeout: float = WRITE_WAIT, memory: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``memory=True``: an in-memory database that nothing outlives (the fallback when ``path``
-        cannot be opened); ``path`` then only names, in messages, the file it stands in for."""
+        cannot be opened); ``path`` then only names, in messages, the file it stands in for.
+        ``timeout``: how long a write waits for another process's lock; ``clock`` times the retry."""
         self.path = Path(path)
         self.persistent = not memory
         self.last_error: str | None = None
+        self._clock = clock
+        self._retry_at = float("-inf")
         self._cache: dict[str, SessionRecord] = {}
         self._pending: dict[str, SessionRecord | None] = {}  # None = delete
         self._cache_lock = threading.Lock()  # brief: dict access only
@@ -143,12 +155,14 @@ class SessionStore:
             raise self._fail("create the directory for", exc) from None
         conn: sqlite3.Connection | None = None
         try:
-            conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(self.path, timeout=max(timeout, OPEN_WAIT), isolation_level=None,
+                                   check_same_thread=False)
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise sqlite3.OperationalError(f"journal_mode is {mode!r}, WAL could not be enabled")
             conn.execute("PRAGMA synchronous=NORMAL")
             self._migrate(conn)
+            conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
         except sqlite3.Error as exc:
             if conn is not None:
                 conn.close()
@@ -234,11 +248,14 @@ class SessionStore:
                 return
             if self._conn is None:
                 raise StateError(f"{self.path}: session store is closed")
+            if self._clock() < self._retry_at and self.last_error is not None:
+                raise StateError(self.last_error)  # kept pending; the file is tried again after RETRY_AFTER
             try:
                 self._write(self._conn, batch)
             except sqlite3.Error as exc:
                 error = self._fail("write", exc)
                 self.last_error = str(error)
+                self._retry_at = self._clock() + RETRY_AFTER
                 raise error from None
             self.last_error = None
             with self._cache_lock:

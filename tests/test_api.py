@@ -43,11 +43,15 @@ def test_route_activates_then_already_active(api: TestClient) -> None:
     assert start["server"]["name"] == "postgres" and start["server"]["command"] == "npx"
     assert "{{ENV:POSTGRES_CONNECTION_STRING}}" in start["server"]["args"]
     assert set(first) == {"decision", "capability", "score", "margin", "reason", "plan", "candidates"}
+    api.post("/v1/sessions/s1/enable", json={"name": "filesystem-read"})
     second = api.post("/v1/route", json=body).json()
     assert second["decision"] == "already_active"
-    assert second["plan"] == {"start": [], "teardown": [], "active": ["database-postgres"]}
+    assert second["plan"] == {"start": [], "teardown": [], "active": ["database-postgres", "filesystem-read"]}
+    # routed to again, postgres is the most recently used: the next activation evicts the other one
+    evicting = api.post("/v1/sessions/s1/enable", json={"name": "smalltalk"}).json()
+    assert [t["capability"] for t in evicting["teardown"]] == ["filesystem-read"]
     caps = api.get("/v1/capabilities", params={"session": "s1"}).json()["capabilities"]
-    assert [c["name"] for c in caps if c["active"]] == ["database-postgres"]
+    assert [c["name"] for c in caps if c["active"]] == ["database-postgres", "smalltalk"]
 
 
 def test_enable_disable_kill_flags_and_eviction(api: TestClient) -> None:

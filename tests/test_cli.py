@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from click.testing import CliRunner, Result
@@ -21,7 +22,7 @@ from capd.api import create_app
 from capd.cli import main
 from capd.client import CapdClient
 from capd.encoder import Encoder
-from capd.errors import UnknownCapability, UnknownSession
+from capd.errors import ClientError, InvalidSessionId, UnknownCapability, UnknownSession
 from capd.learned import LearnedStore
 from capd.settings import Settings
 from tests.conftest import GatedEncoder
@@ -179,6 +180,33 @@ def test_unknown_names_are_said_once_by_the_client_and_the_cli(serve: Serve) -> 
         assert str(capability.value) == "unknown capability 'nosuchcap'" and capability.value.name == "nosuchcap"
     result = _capd("enable", "s1", "nosuchcap", port=port)
     assert result.exit_code == 1 and result.stderr == "capd: unknown capability 'nosuchcap'\n"
+
+
+def test_the_client_refuses_a_bad_session_id_before_sending_it(serve: Serve) -> None:
+    """Sent as it is, ``victim/../other`` reached session ``other`` (HTTP clients collapse ``..``):
+    enabled there, or dropped it."""
+    port = serve()
+    with CapdClient(f"http://127.0.0.1:{port}") as client:
+        client.enable("other", "smalltalk")
+        for call in (lambda: client.drop("victim/../other"),
+                     lambda: client.enable("victim/../other", "filesystem-read"),
+                     lambda: client.session("x/../../health"),
+                     lambda: client.tool_result("a?b", "fs", "read", True)):
+            with pytest.raises(InvalidSessionId):
+                call()
+        assert [a["name"] for a in client.session("other")["active"]] == ["smalltalk"]
+    result = _capd("disable", "victim/../other", "smalltalk", port=port)
+    assert result.exit_code == 1 and "invalid session id 'victim/../other'" in result.stderr
+
+
+def test_a_trailing_slash_is_a_404_with_a_reason_not_a_redirect(serve: Serve) -> None:
+    response = httpx.get(f"http://127.0.0.1:{serve()}/v1/sessions/s1/", follow_redirects=False)
+    assert response.status_code == 404 and response.json()["error"] == "not_found", response.text
+
+
+def test_the_client_says_a_lone_surrogate_is_not_text(serve: Serve) -> None:
+    with CapdClient(f"http://127.0.0.1:{serve()}") as client, pytest.raises(ClientError, match="lone surrogate"):
+        client.route("s1", "deploy \ud800 now")
 
 
 def test_status_omits_line_none(serve: Serve, tmp_path: Path) -> None:

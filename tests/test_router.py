@@ -22,6 +22,8 @@ def test_gate_reasons() -> None:
     fire, margin, reason = gate([("docker", 0.60), ("kubernetes", 0.58)], gates)
     assert not fire and margin == pytest.approx(0.02)
     assert reason == "margin 0.02 between docker and kubernetes below 0.08"
+    close = gate([("git", 0.60), ("gitlab", 0.5212)], gates)[2]  # 0.0788: not "0.08 below 0.08"
+    assert close == "margin 0.079 between git and gitlab below 0.080"
     assert gate([("docker", 0.50)], gates)[0]  # a single candidate: top2 = 0
     assert gate([], gates)[0] is False
 

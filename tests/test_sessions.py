@@ -258,6 +258,8 @@ def test_pinned_are_active_from_the_start_and_never_evicted(make: Make, clock: C
     assert registry.active_names("s1") == ("docker", "rust")
     with pytest.raises(PinnedCapability):
         registry.deactivate("s1", "docker")
+    with pytest.raises(UnknownCapability):  # not "pinned": the name is ignored until a tap provides it
+        registry.deactivate("s1", "ghost")
     assert registry.activate("s1", "docker").changed is False
 
 
@@ -450,8 +452,8 @@ def test_idle_sessions_expire_after_ttl(make: Make, clock: Clock) -> None:
     registry.activate("old", "git")
     clock.tick(50)
     registry.activate("young", "git")
-    clock.tick(51)
     registry.get("old")  # reads do not keep a session alive
+    clock.tick(51)
     assert registry.expire() == ["old"]
     assert registry.sessions() == ("young",)
     clock.tick(40)
@@ -461,6 +463,25 @@ def test_idle_sessions_expire_after_ttl(make: Make, clock: Clock) -> None:
     clock.tick(2)
     assert registry.expire() == ["young"]
     assert registry.sessions() == ()
+
+
+def test_a_session_idle_past_ttl_is_gone_when_next_used(make: Make, clock: Clock) -> None:
+    """Not only at the sweep (every 60 s in the daemon, and not yet after a restart): a late call
+    neither sees nor revives an expired session, and a plan says what to tear down."""
+    registry = make(ttl=100)
+    registry.activate("s1", "git")
+    registry.activate("s2", "git")
+    clock.tick(101)
+    assert registry.active_names("s1") == ()
+    with pytest.raises(UnknownSession):
+        registry.get("s1")
+    with pytest.raises(UnknownSession):
+        registry.tool_result("s2", "git", "git_status", ok=True)
+    plan = registry.activate("s1", "docker")  # afresh, told to tear down what it had
+    assert plan.active == ("docker",) and [t.capability for t in plan.teardown] == ["git"]
+    assert registry.sessions() == ("s1",)
+    clock.tick(101)
+    assert [t.capability for t in registry.drop("s1").teardown] == ["docker"]
 
 
 def test_unknown_sessions(make: Make) -> None:

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from capd.catalog import Catalog
 from capd.errors import StateError
 from capd.sessions import SessionRegistry
-from capd.state import FILENAME, SCHEMA_VERSION, ActiveCapability, SessionRecord, SessionStore
+from capd.state import FILENAME, RETRY_AFTER, SCHEMA_VERSION, ActiveCapability, SessionRecord, SessionStore
 from capd.taps import load_catalog
 from tests.taputil import write_capability
 
@@ -167,11 +168,21 @@ def test_read_only_directory(tmp_path: Path) -> None:
         _thaw(data)
 
 
-def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog, caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A locked file costs one wait, not one per call: until RETRY_AFTER, writes stay pending at once."""
     path = tmp_path / FILENAME
-    store = SessionStore(path, timeout=0.05)
+    now = [0.0]
+    store = SessionStore(path, timeout=0.05, clock=lambda: now[0])
     registry = SessionRegistry(store, lambda: catalog, clock=Clock())
+    attempts: list[int] = []
+    write = SessionStore._write
+
+    def counted(conn: sqlite3.Connection, batch: Mapping[str, SessionRecord | None]) -> None:
+        attempts.append(len(batch))
+        write(conn, batch)
+
+    monkeypatch.setattr(SessionStore, "_write", staticmethod(counted))
     registry.activate("s1", "git")
     registry.activate("gone", "git")
     blocker = sqlite3.connect(path, isolation_level=None)
@@ -186,11 +197,15 @@ def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog
         assert registry.active_names("s1") == ("git", "fs-read")
         assert store.pending == 3 and store.last_error is not None
         assert "kept in memory only" in caplog.text
+        assert len(attempts) == 3  # two before the block, one that met it; the others did not wait
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
+    registry.activate("s2", "fs-read")  # before RETRY_AFTER: still pending, not tried
+    assert store.pending == 4 and len(attempts) == 3
+    now[0] += RETRY_AFTER
     registry.activate("s2", "rust")  # the next write flushes everything pending
-    assert store.pending == 0 and store.last_error is None
+    assert store.pending == 0 and store.last_error is None and attempts[-1] == 4
     store.close()
     with SessionStore(path) as reopened:
         assert reopened.ids() == ("direct", "s1", "s2")

@@ -41,6 +41,19 @@ def test_apply_changes_reembeds_only_changed_triggers(tmp_path: Path) -> None:
     assert report["changed"] == ["smalltalk"] and report["embedded"] == 1  # one new trigger text, nothing else
 
 
+def test_the_report_names_capabilities_without_triggers_too(tmp_path: Path) -> None:
+    """What changed is the catalog's difference (by content), not the trigger index's: a capability
+    with only a provider (no config.toml, so no triggers) was missing from added / changed / removed."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    folder = write_capability(tap, "pg-tools", providers={"postgres": POSTGRES_PROVIDER}, default="postgres")
+    assert watcher.apply_changes([folder / "postgres.toml"])["added"] == ["pg-tools"]
+    (folder / "postgres.toml").write_text(POSTGRES_PROVIDER.replace("npx", "uvx"))
+    assert watcher.apply_changes([folder / "postgres.toml"])["changed"] == ["pg-tools"]
+    shutil.rmtree(folder)
+    assert watcher.apply_changes([folder])["removed"] == ["pg-tools"]
+
+
 def test_broken_file_keeps_last_good_version(tmp_path: Path) -> None:
     service, tap = _service(tmp_path)
     watcher = TapWatcher(service)
