@@ -25,8 +25,17 @@ class BindError(CapdError):
     """The daemon could not listen where it was told to."""
 
 
+# Libraries whose debug lines describe each file event or HTTP call: at ``--log-level debug`` a log
+# file where the daemon watches (a tap's parent folder) made watchdog log an event per line it
+# wrote, without end. Debug there means capd's own detail.
+QUIET_AT_DEBUG = ("watchdog", "httpx", "httpcore", "urllib3", "filelock", "asyncio")
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level.upper() == "DEBUG":
+        for name in QUIET_AT_DEBUG:
+            logging.getLogger(name).setLevel(logging.INFO)
 
 
 def bind(settings: Settings) -> socket.socket:

@@ -1,8 +1,10 @@
 """Routing fixtures: one JSON object per line, ``{"message", "expect", "kind"}``.
 
-``expect`` is a capability name, a list of acceptable names, or ``null`` (must abstain).
+``expect`` is a capability name, a list of acceptable names, or ``null`` (must abstain); it
+must be there (a row without it, e.g. ``"expects"`` mistyped, would silently count as a null).
 ``kind`` is free text for per-kind breakdowns and floors; it defaults to ``positive`` or
-``null`` from ``expect``.
+``null`` from ``expect``. Other keys are refused for the same reason. A file may start with a
+UTF-8 byte order mark.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capd.errors import FixtureError
+
+KEYS = ("message", "expect", "kind")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,13 @@ def _parse_line(path: Path, number: int, line: str) -> Fixture:
         raise FixtureError(path, f"invalid JSON: {exc.msg}", number) from None
     if not isinstance(row, dict):
         raise FixtureError(path, "each line must be a JSON object", number)
+    unknown = sorted(set(row) - set(KEYS))
+    if unknown:
+        raise FixtureError(path, f"unknown key {', '.join(map(repr, unknown))} (the keys are {', '.join(KEYS)})",
+                           number)
+    if "expect" not in row:
+        raise FixtureError(path, "missing 'expect': a capability name, a list of names, or null (must abstain)",
+                           number)
     message = row.get("message")
     if not isinstance(message, str):
         raise FixtureError(path, "'message' must be a string", number)
@@ -53,16 +64,25 @@ def _parse_line(path: Path, number: int, line: str) -> Fixture:
 
 
 def load_fixtures(paths: Iterable[Path]) -> list[Fixture]:
-    """Read fixture files; blank lines and lines starting with ``#`` are skipped."""
+    """Read fixture files; blank lines and lines starting with ``#`` are skipped. Files with no
+    row at all are an error: measuring nothing would pass any floor."""
     rows: list[Fixture] = []
+    paths = list(paths)
     for path in paths:
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise FixtureError(path, f"cannot read: {exc}") from None
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise FixtureError(path, f"cannot read: {exc.strerror or exc}") from None
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            where = data[: exc.start].count(b"\n") + 1
+            raise FixtureError(path, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", where) from None
         for number, line in enumerate(text.splitlines(), start=1):
             if line.strip() and not line.lstrip().startswith("#"):
                 rows.append(_parse_line(Path(path), number, line))
+    if paths and not rows:
+        raise FixtureError(", ".join(map(str, paths)), "no fixture rows (every line is blank or a # comment)")
     return rows
 
 

@@ -88,13 +88,15 @@ class Check:
 
 
 def check_floors(floors: Floors, result: dict[str, Any]) -> list[Check]:
+    """A floor whose metric has no rows to measure fails (``n/a``), like a floor on a kind with
+    none: an empty or truncated fixture file must not pass a tap's CI."""
     checks: list[Check] = []
     for metric, bound in floors.minima.items():
         value = result.get(metric)
-        checks.append(Check(metric, value, bound, value is None or value >= bound - 1e-9, ">="))
+        checks.append(Check(metric, value, bound, value is not None and value >= bound - 1e-9, ">="))
     for metric, bound in floors.maxima.items():
         value = result.get(metric)
-        checks.append(Check(metric, value, bound, value is None or value <= bound + 1e-9, "<="))
+        checks.append(Check(metric, value, bound, value is not None and value <= bound + 1e-9, "<="))
     per_kind = result.get("per_kind", {})
     for kind, bound in floors.kinds.items():
         if kind not in per_kind:

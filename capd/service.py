@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from capd.errors import StateError, UnknownCapability
 from capd.fused import TOKEN_BUDGET, TOP_K, FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import KINDS, Corrections, LearnedStore
+from capd.live_taps import LiveTaps
 from capd.metrics import Metrics
 from capd.models import HASH_MODEL, manifest_for, resolve
 from capd.router import (
@@ -50,7 +51,6 @@ from capd.router import (
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
-from capd.taps import TapLoad, assemble, capability_dirs, load_capability, load_tap_config
 from capd.text import clean_message
 from capd.tuning import RECIPE, Recipe, groups_for, is_tuned, prune, run_child, tuned_dir, tuning_key
 from capd.vectorcache import CachedEmbedder, VectorCache
@@ -102,20 +102,6 @@ class Tuning:
         return dataclasses.asdict(self)
 
 
-@dataclass
-class _TapState:
-    """Per-tap load results, so a reload can redo only the capabilities whose files changed."""
-
-    capabilities: dict[str, Capability] = field(default_factory=dict)
-    problems: dict[str, list[Problem]] = field(default_factory=dict)
-
-    def in_folder_order(self) -> list[Capability]:
-        """The capabilities in folder order, as a full scan finds them: one that a reload adds
-        does not go last, so the catalog after an edit is the one a restart builds (the fused
-        head's key follows that order, and a restart then reuses what the reload fitted)."""
-        return [self.capabilities[name] for name in sorted(self.capabilities)]
-
-
 class Service:
     def __init__(self, settings: Settings, encoder: Encoder | None = None, sessions: bool = False,
                  clock: Callable[[], float] = time.time, learn: bool | None = None) -> None:
@@ -136,7 +122,7 @@ class Service:
         self.auto_gates: Point | None = None  # the fused rule's gates fitted on the examples (capd/autogates.py)
         self._auto_fit: AutoFit | None = None  # and the examples they were fitted on
         self._corpus_embedded: tuple[str, Embedded] | None = None  # (model id, the abstain corpus embedded)
-        self._taps: dict[Path, _TapState] = {}
+        self._taps = LiveTaps(settings.taps)
         self._tap_errors: list[Problem] = []
         self.encoder: Encoder | None = None
         self.embedder: CachedEmbedder | None = None
@@ -233,51 +219,12 @@ class Service:
             return Catalog(taps=tuple(self.settings.taps), capabilities={})
         return snapshot.catalog
 
-    def _load_taps(self, changed: Iterable[Path] | None) -> Catalog:
-        """Rescan everything (``changed`` None) or only the capability folders touched by ``changed``."""
-        taps = [Path(t).expanduser().absolute() for t in self.settings.taps]
-        targets = None if changed is None else {Path(p).absolute() for p in changed}
-        loads: list[TapLoad] = []
-        for tap in taps:
-            state = self._taps.setdefault(tap, _TapState())
-            if not (tap / "capabilities").is_dir():
-                # A tap that vanished (deleted, renamed, mid-checkout) keeps serving its last good
-                # capabilities until it comes back; the error shows in health and the log.
-                missing = Problem("error", str(tap), "tap directory is missing or has no capabilities/; serving "
-                                  f"its last good {len(state.capabilities)} capabilities", code="missing-tap")
-                loads.append((state.in_folder_order(), [missing], None))
-                continue
-            dirs = capability_dirs(tap)
-            names = {d.name for d in dirs}
-            for gone in set(state.capabilities) | set(state.problems):
-                if gone not in names:
-                    state.capabilities.pop(gone, None)
-                    state.problems.pop(gone, None)
-            known = set(state.capabilities) | set(state.problems)
-            real_tap = tap.resolve()
-            for directory in dirs:
-                if targets is not None and directory.name in known and not any(
-                        t == directory or directory in t.parents or t in directory.parents for t in targets):
-                    continue
-                capability, problems = load_capability(tap, directory, real_tap)
-                state.problems[directory.name] = problems
-                if capability is not None:
-                    state.capabilities[directory.name] = capability
-                elif directory.name in state.capabilities:
-                    # Keep the last good version of a capability whose files just broke.
-                    log.error("keeping the last good version of %s: %s", directory.name,
-                              "; ".join(str(p) for p in problems))
-            tap_problems = [p for ps in state.problems.values() for p in ps]
-            config, found = load_tap_config(tap)
-            loads.append((state.in_folder_order(), tap_problems + found, config))
-        return assemble(taps, loads)
-
     def reload(self, changed: Iterable[Path] | None = None) -> dict[str, Any]:
         """Rescan taps and swap in the new catalog atomically; returns what changed."""
         assert self.embedder is not None and self.index is not None and self.encoder is not None
         with self._lock:
             before = self._snapshot.catalog if self._snapshot is not None else None
-            catalog = self._load_taps(changed)
+            catalog = self._taps.load(changed)
             if self.tuning.enabled and self.tuning.key is None and self.ready_after is None:
                 self._adopt_cached_tuning(catalog)  # a restart starts on its tuned model: embeds once
             report = self._publish(catalog)

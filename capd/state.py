@@ -13,12 +13,12 @@ hands the store immutable :class:`SessionRecord` values to keep.
   forward, a newer file is refused with :class:`~capd.errors.StateError`.
 - Opening an unusable file or directory raises :class:`~capd.errors.StateError`. A write
   that fails later (read-only directory, full disk, locked file) updates the cache anyway,
-  keeps the change pending and raises :class:`~capd.errors.StateError`; a write after
-  :data:`RETRY_AFTER` retries every pending change, so a running daemon keeps serving from
-  memory. A write waits at most :data:`WRITE_WAIT` for another process's lock on the file
-  (opening waits up to :data:`OPEN_WAIT`), and the writes before the retry fail at once:
-  with the file held by another process, every session call used to wait out SQLite's 5 s
-  busy timeout, one after another.
+  keeps the change pending and raises :class:`~capd.errors.StateError`; the next write
+  retries every pending change, so a running daemon keeps serving from memory. A write waits
+  at most :data:`WRITE_WAIT` for another process's lock on the file (opening waits up to
+  :data:`OPEN_WAIT`), and while writes keep failing they do not wait at all: with the file
+  held by another process, every session call used to wait out SQLite's 5 s busy timeout,
+  one after another.
 - ``SessionStore(path, memory=True)`` keeps everything in an in-memory database: the
   service falls back to it (with a warning and an error in ``/v1/health``) when the file
   cannot be opened at start, so a read-only data directory still gives a working daemon.
@@ -30,8 +30,7 @@ import json
 import logging
 import sqlite3
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -45,7 +44,6 @@ FILENAME = "sessions.sqlite3"
 SCHEMA_VERSION = 1
 OPEN_WAIT = 5.0  # seconds opening (and migrating) the file waits for another process's lock
 WRITE_WAIT = 0.5  # seconds a write waits for it (capd's own writes are serialised; only others hold it)
-RETRY_AFTER = 2.0  # seconds after a failed write before the file is tried again
 Origin = Literal["auto", "manual", "pinned"]
 ORIGINS: tuple[Origin, ...] = ("auto", "manual", "pinned")
 
@@ -122,16 +120,14 @@ def _decode(session: str, last_seen: float, next_seq: int, active: str) -> Sessi
 class SessionStore:
     """Sessions in SQLite, cached in memory. Thread-safe; a write holds the file only to commit."""
 
-    def __init__(self, path: Path | str, *, timeout: float = WRITE_WAIT, memory: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, path: Path | str, *, timeout: float = WRITE_WAIT, memory: bool = False) -> None:
         """``memory=True``: an in-memory database that nothing outlives (the fallback when ``path``
         cannot be opened); ``path`` then only names, in messages, the file it stands in for.
-        ``timeout``: how long a write waits for another process's lock; ``clock`` times the retry."""
+        ``timeout``: how long a write waits for another process's lock on the file."""
         self.path = Path(path)
         self.persistent = not memory
         self.last_error: str | None = None
-        self._clock = clock
-        self._retry_at = float("-inf")
+        self._wait_ms = int(timeout * 1000)
         self._cache: dict[str, SessionRecord] = {}
         self._pending: dict[str, SessionRecord | None] = {}  # None = delete
         self._cache_lock = threading.Lock()  # brief: dict access only
@@ -162,7 +158,7 @@ class SessionStore:
                 raise sqlite3.OperationalError(f"journal_mode is {mode!r}, WAL could not be enabled")
             conn.execute("PRAGMA synchronous=NORMAL")
             self._migrate(conn)
-            conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            conn.execute(f"PRAGMA busy_timeout = {self._wait_ms}")
         except sqlite3.Error as exc:
             if conn is not None:
                 conn.close()
@@ -248,20 +244,28 @@ class SessionStore:
                 return
             if self._conn is None:
                 raise StateError(f"{self.path}: session store is closed")
-            if self._clock() < self._retry_at and self.last_error is not None:
-                raise StateError(self.last_error)  # kept pending; the file is tried again after RETRY_AFTER
             try:
                 self._write(self._conn, batch)
             except sqlite3.Error as exc:
                 error = self._fail("write", exc)
+                if self.last_error is None:  # failing from now on: the next writes try without waiting
+                    self._set_wait(self._conn, 0)
                 self.last_error = str(error)
-                self._retry_at = self._clock() + RETRY_AFTER
                 raise error from None
+            if self.last_error is not None:
+                self._set_wait(self._conn, self._wait_ms)
             self.last_error = None
             with self._cache_lock:
                 for session, value in batch.items():
                     if self._pending.get(session, _MISSING) is value:  # not changed again meanwhile
                         del self._pending[session]
+
+    @staticmethod
+    def _set_wait(conn: sqlite3.Connection, milliseconds: int) -> None:
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {milliseconds}")
+        except sqlite3.Error:  # the write's own error says what is wrong
+            pass
 
     @staticmethod
     def _write(conn: sqlite3.Connection, batch: Mapping[str, SessionRecord | None]) -> None:

@@ -130,7 +130,7 @@ def parse_toml(path: Path, root: Path) -> tuple[dict[str, Any], str, bytes]:
 
 def _parse(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte order mark, as octomind's TOML reader accepts
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise TapFileError(path, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", line) from None
@@ -277,12 +277,13 @@ def _pick_default(folder: _Folder, providers: dict[str, Provider], problems: lis
 
 
 def _toml_files(directory: Path) -> list[Path]:
-    """``sorted(directory.glob("*.toml"))`` in one ``listdir`` (glob also builds a Path per entry)."""
+    """The folder's ``*.toml`` files, sorted, in one ``listdir``; hidden ones (an editor's
+    ``.#postgres.toml`` lock link, ``.config.toml.swp`` …) are not tap files."""
     try:
         names = os.listdir(directory)
-    except OSError:  # as glob: an unreadable folder lists nothing (its config.toml then fails to read)
-        return []
-    return [directory / name for name in sorted(names) if name.endswith(".toml")]
+    except OSError as exc:
+        raise TapFileError(directory, f"cannot list the capability folder: {exc.strerror or exc}") from None
+    return [directory / name for name in sorted(names) if name.endswith(".toml") and not name.startswith(".")]
 
 
 def load_capability(tap: Path, directory: Path,
@@ -301,20 +302,26 @@ def load_capability(tap: Path, directory: Path,
         folder = _Folder(tap, directory, real_tap)
         if not folder.real_path.is_relative_to(folder.real_tap):
             raise TapFileError(directory, "capability folder is a symlink pointing outside the tap")
+        files = _toml_files(directory)
         config = directory / "config.toml"
         triggers: tuple[str, ...] = ()
         domains: tuple[str, ...] = ()
         description: str | None = None
-        if config.exists() or config.is_symlink():
+        if config in files:
             triggers, domains, description = _load_config(config, folder)
         providers: dict[str, Provider] = {}
-        for path in _toml_files(directory):
+        for path in files:
             if path.name in ("config.toml", "default.toml"):
                 continue
             providers[path.stem] = _load_provider(path, folder)
         default = _pick_default(folder, providers, problems, name)
     except TapFileError as exc:
         problems.append(Problem("error", str(exc.path), exc.reason, exc.line, capability=name, code="invalid"))
+        return None, problems
+    except OSError as exc:  # a folder that can be listed but not entered (no x permission), and the like
+        where = Path(exc.filename) if isinstance(exc.filename, str) else directory
+        problems.append(Problem("error", str(where), f"cannot read: {exc.strerror or exc}", capability=name,
+                                code="invalid"))
         return None, problems
     all_providers = tuple(providers.values())
     if default is not None and default not in all_providers:
@@ -371,11 +378,33 @@ def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any],
     return gates
 
 
-def capability_dirs(tap: Path) -> list[Path]:
+def capability_dirs(tap: Path) -> tuple[list[Path], list[Problem]]:
+    """The tap's capability folders (hidden ones skipped), and what is wrong in ``capabilities/``:
+    it cannot be listed, or an entry is a dangling or looping link (a folder link that no longer
+    resolves would otherwise drop its capability without a word). Other files there are ignored."""
     root = tap / "capabilities"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as exc:
+        return [], [Problem("error", str(root), f"cannot list: {exc.strerror or exc}", code="unreadable-tap")]
+    folders: list[Path] = []
+    problems: list[Problem] = []
+    for name in names:
+        if name.startswith("."):
+            continue
+        path = root / name
+        try:
+            if path.is_dir():
+                folders.append(path)
+            elif path.is_symlink() and not path.exists():
+                _resolve(path)  # a loop raises here
+                raise TapFileError(path, f"symlink points to {os.readlink(path)!r}, which does not exist")
+        except TapFileError as exc:
+            problems.append(Problem("error", str(exc.path), exc.reason, capability=name, code="invalid"))
+        except OSError as exc:
+            problems.append(Problem("error", str(path), f"cannot read: {exc.strerror or exc}", capability=name,
+                                    code="invalid"))
+    return folders, problems
 
 
 def load_tap(tap: Path) -> TapLoad:
@@ -391,7 +420,9 @@ def load_tap(tap: Path) -> TapLoad:
         real_tap: Path | None = _resolve(tap)
     except TapFileError:
         real_tap = None  # each capability then reports it
-    for directory in capability_dirs(tap):
+    folders, unusable = capability_dirs(tap)
+    problems.extend(unusable)
+    for directory in folders:
         capability, found = load_capability(tap, directory, real_tap)
         problems.extend(found)
         if capability is not None:

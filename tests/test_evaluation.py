@@ -165,6 +165,39 @@ def test_fixture_errors_name_file_and_line(tmp_path: Path) -> None:
     path.write_text('{"message": "x", "expect": []}\n')
     with pytest.raises(FixtureError, match="line 1"):
         load_fixtures([path])
+    path.write_text('{"message": "fine", "expect": null}\n{"message": "show the commits", "expects": "git"}\n')
+    with pytest.raises(FixtureError, match=r"line 2: unknown key 'expects' \(the keys are message, expect, kind\)"):
+        load_fixtures([path])  # it was read as a row that must abstain
+    path.write_text('{"message": "show the commits", "kind": "positive"}\n')
+    with pytest.raises(FixtureError, match="line 1: missing 'expect'"):
+        load_fixtures([path])
+    path.write_bytes(b'{"message": "fine", "expect": null}\n{"message": "caf\xe9", "expect": null}\n')
+    with pytest.raises(FixtureError, match=r"line 2: not UTF-8 text \(byte 0xe9\)"):
+        load_fixtures([path])
+
+
+def test_fixture_files_without_a_row_are_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "f.jsonl"
+    path.write_text("\n# nothing yet\n")
+    with pytest.raises(FixtureError, match="no fixture rows"):
+        load_fixtures([path])
+
+
+def test_a_floor_with_nothing_to_measure_fails(tmp_path: Path, settings_factory: SettingsFactory) -> None:
+    """Only positives, and a null_fpr floor: n/a used to pass (a kind floor with no rows failed)."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\nmax_null_fpr = 0.05\n")
+    routing = tap / "fixtures" / "routing.jsonl"
+    rows = [line for line in routing.read_text().splitlines() if '"expect": null' not in line]
+    routing.write_text("".join(line + "\n" for line in rows))
+    data = ["--model", "hash", "--data-dir", str(settings_factory().data_dir)]
+    result = CliRunner().invoke(main, ["test", str(tap), *data])
+    assert result.exit_code == 1 and "FAIL null_fpr n/a <= 0.05" in result.output, result.output
+
+
+def test_fixtures_may_start_with_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"message": "fine", "expect": null}\n')
+    assert [f.message for f in load_fixtures([path])] == ["fine"]
 
 
 def _tap_with_fixtures(tmp_path: Path, floors: str) -> Path:

@@ -153,7 +153,7 @@ class Model:
         self._add(session, name, origin, now)
 
     def deactivate(self, session: str, name: str, now: float) -> None:
-        if name in PINNED:
+        if name in PINNED and name in self.present:  # a pinned name no tap provides is ignored
             raise PinnedCapability(name)
         if name not in self.present and name not in self.sessions.get(session, {}):
             raise UnknownCapability(name)

@@ -17,7 +17,7 @@ import pytest
 from capd.catalog import Catalog
 from capd.errors import StateError
 from capd.sessions import SessionRegistry
-from capd.state import FILENAME, RETRY_AFTER, SCHEMA_VERSION, ActiveCapability, SessionRecord, SessionStore
+from capd.state import FILENAME, SCHEMA_VERSION, ActiveCapability, SessionRecord, SessionStore
 from capd.taps import load_catalog
 from tests.taputil import write_capability
 
@@ -170,19 +170,19 @@ def test_read_only_directory(tmp_path: Path) -> None:
 
 def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog, caplog: pytest.LogCaptureFixture,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """A locked file costs one wait, not one per call: until RETRY_AFTER, writes stay pending at once."""
+    """A locked file costs one wait, not one per call: once a write has failed, the next ones try
+    without waiting for the lock, until one succeeds."""
     path = tmp_path / FILENAME
-    now = [0.0]
-    store = SessionStore(path, timeout=0.05, clock=lambda: now[0])
+    store = SessionStore(path, timeout=0.05)
     registry = SessionRegistry(store, lambda: catalog, clock=Clock())
-    attempts: list[int] = []
+    waits: list[int] = []
     write = SessionStore._write
 
-    def counted(conn: sqlite3.Connection, batch: Mapping[str, SessionRecord | None]) -> None:
-        attempts.append(len(batch))
+    def observed(conn: sqlite3.Connection, batch: Mapping[str, SessionRecord | None]) -> None:
+        waits.append(conn.execute("PRAGMA busy_timeout").fetchone()[0])
         write(conn, batch)
 
-    monkeypatch.setattr(SessionStore, "_write", staticmethod(counted))
+    monkeypatch.setattr(SessionStore, "_write", staticmethod(observed))
     registry.activate("s1", "git")
     registry.activate("gone", "git")
     blocker = sqlite3.connect(path, isolation_level=None)
@@ -197,15 +197,14 @@ def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog
         assert registry.active_names("s1") == ("git", "fs-read")
         assert store.pending == 3 and store.last_error is not None
         assert "kept in memory only" in caplog.text
-        assert len(attempts) == 3  # two before the block, one that met it; the others did not wait
+        assert waits == [50, 50, 50, 0, 0]  # two before the block, one that met it and waited, two that did not
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
-    registry.activate("s2", "fs-read")  # before RETRY_AFTER: still pending, not tried
-    assert store.pending == 4 and len(attempts) == 3
-    now[0] += RETRY_AFTER
     registry.activate("s2", "rust")  # the next write flushes everything pending
-    assert store.pending == 0 and store.last_error is None and attempts[-1] == 4
+    assert store.pending == 0 and store.last_error is None
+    registry.activate("s2", "fs-read")
+    assert waits[-2:] == [0, 50]  # healthy again: writes wait for a lock again
     store.close()
     with SessionStore(path) as reopened:
         assert reopened.ids() == ("direct", "s1", "s2")

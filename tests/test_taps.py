@@ -199,3 +199,55 @@ def test_links_between_siblings_are_still_checked(tmp_path: Path) -> None:
     again = catalog.capabilities["postgres-again"]
     assert again.provider is not None and again.provider.name == "postgres"
     assert again.servers == catalog.capabilities["database-postgres"].servers
+
+
+def test_an_unreadable_folder_skips_its_capability_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capability folder (or capabilities/ itself) that cannot be listed crashed the load: a
+    traceback in lint, a failed start, a reload that kept failing. The filesystem refuses through a
+    patched ``os.listdir`` (root reads whatever the mode, and the suite may run as root)."""
+    tap = octomind_tap(tmp_path)
+    refused: set[Path] = {tap / "capabilities" / "smalltalk"}
+    listdir = os.listdir
+
+    def guarded(path: str | os.PathLike[str]) -> list[str]:
+        if Path(path) in refused:
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr("capd.taps.os.listdir", guarded)
+    catalog = load_catalog([tap])
+    assert "smalltalk" not in catalog and "database-postgres" in catalog
+    (problem,) = catalog.errors
+    assert problem.capability == "smalltalk"
+    assert "cannot list the capability folder: Permission denied" in problem.reason
+    refused.add(tap / "capabilities")
+    (problem,) = load_catalog([tap]).errors
+    assert problem.file.endswith("capabilities") and "cannot list: Permission denied" in problem.reason
+
+
+def test_hidden_files_are_not_tap_files(tmp_path: Path) -> None:
+    """Emacs keeps ``.#<file>`` as a dangling link while a buffer is unsaved: it dropped the capability."""
+    tap = octomind_tap(tmp_path)
+    os.symlink("root@host.1234:1700000000", tap / "capabilities" / "database-postgres" / ".#postgres.toml")
+    catalog = load_catalog([tap])
+    assert "database-postgres" in catalog and not catalog.errors
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    config = tap / "capabilities" / "smalltalk" / "config.toml"
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+    catalog = load_catalog([tap])
+    assert not catalog.errors and catalog.capabilities["smalltalk"].triggers[0] == "tell me about the weather today"
+
+
+def test_dangling_and_looping_folder_links_are_reported(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    caps = tap / "capabilities"
+    os.symlink("no-such-folder", caps / "ghost")
+    os.symlink("loop-b", caps / "loop-a")
+    os.symlink("loop-a", caps / "loop-b")
+    (caps / "README.md").write_text("not a capability, and not an error")
+    by_cap = {p.capability: p.reason for p in load_catalog([tap]).errors}
+    assert set(by_cap) == {"ghost", "loop-a", "loop-b"}
+    assert "'no-such-folder', which does not exist" in by_cap["ghost"] and "symlink loop" in by_cap["loop-a"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -68,6 +69,64 @@ def test_broken_file_keeps_last_good_version(tmp_path: Path) -> None:
     config.write_text(good)
     watcher.apply_changes([config])
     assert service.health()["errors"] == []
+
+
+def test_an_edit_reaches_the_folders_that_link_to_it(tmp_path: Path) -> None:
+    """Watchers report the target's path: a folder that is a link, or has a file that is one, used
+    to keep the old triggers until a full rescan."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    caps = tap / "capabilities"
+    os.symlink("smalltalk", caps / "smalltalk-alias")
+    (caps / "smalltalk-copy").mkdir()
+    os.symlink("../smalltalk/config.toml", caps / "smalltalk-copy" / "config.toml")
+    watcher.apply_changes([caps / "smalltalk-alias", caps / "smalltalk-copy"])
+    config = caps / "smalltalk" / "config.toml"
+    config.write_text('triggers = ["how fast can an ostrich run"]\n')
+    report = watcher.apply_changes([config])
+    assert sorted(report["changed"]) == ["smalltalk", "smalltalk-alias", "smalltalk-copy"]
+    catalog = service.catalog_now()
+    assert {catalog.capabilities[n].triggers for n in report["changed"]} == {("how fast can an ostrich run",)}
+
+
+def test_a_broken_capd_toml_keeps_the_last_good_gates(tmp_path: Path) -> None:
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    gates = tap / "capd.toml"
+    gates.write_text("[gates]\nthreshold = 0.99\n")
+    watcher.apply_changes([gates])
+    assert service.router.gates.for_tap(tap).threshold == 0.99
+    gates.write_text("[gates\nthreshold = 0.99\n")
+    watcher.apply_changes([gates])
+    assert service.router.gates.for_tap(tap).threshold == 0.99  # not the model's 0.45 meanwhile
+    (error,) = service.health()["errors"]
+    assert error["file"].endswith("capd.toml") and error["line"] == 1
+    gates.unlink()
+    watcher.apply_changes([gates])
+    assert service.router.gates.for_tap(tap).threshold != 0.99 and service.health()["errors"] == []
+
+
+def test_a_folder_that_cannot_be_listed_keeps_its_last_good_version(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used to fail the whole reload, so later edits elsewhere in the tap were ignored too
+    (``os.listdir`` refuses here: the suite may run as root, which chmod does not stop)."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    smalltalk = tap / "capabilities" / "smalltalk"
+    listdir = os.listdir
+
+    def guarded(path: str | os.PathLike[str]) -> list[str]:
+        if Path(path) == smalltalk:
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr("capd.taps.os.listdir", guarded)
+    watcher.apply_changes([smalltalk])
+    assert "smalltalk" in service.catalog_now()
+    (error,) = service.health()["errors"]
+    assert "Permission denied" in error["reason"]
+    write_capability(tap, "zebra", ["feed the zebras at the zoo"])
+    assert watcher.apply_changes([tap / "capabilities" / "zebra"])["added"] == ["zebra"]
 
 
 def test_real_observer_add_edit_break_fix_delete(tmp_path: Path) -> None:

@@ -105,7 +105,7 @@ class SessionModel:
         return 200, self._plan(added, removed)
 
     def expect_disable(self, name: str) -> tuple[int, Plan | None]:
-        if name in self.pinned:
+        if name in self.pinned and name in self.caps:  # a pinned name no tap provides is ignored
             return 409, None
         if name not in self.caps and name not in self.active:
             return 404, None

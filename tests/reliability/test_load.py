@@ -135,9 +135,11 @@ class Driver:
             if body["capability"] in self.model.active:
                 self.tally.fail(f"{self.model.session}: activate of already active {body['capability']}")
             expected = self.model.expect_enable(body["capability"], "auto")[1]
-        else:
-            if body["decision"] == "already_active" and body["capability"] not in self.model.active:
+        elif body["decision"] == "already_active":  # routed to again: its last_used is refreshed
+            if body["capability"] not in self.model.active:
                 self.tally.fail(f"{self.model.session}: already_active {body['capability']} is not active")
+            expected = self.model.expect_enable(body["capability"], "auto")[1]
+        else:
             expected = self.model.expect_reconcile()
         self.check_plan(f"route {message!r}", response, 200, expected, plan_of=lambda b: b["plan"])
 
