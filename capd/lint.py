@@ -13,12 +13,17 @@ but probably not as meant), ``info`` (worth knowing). Checks:
 - the same trigger twice in one capability (warning) or in two capabilities (error: one
   phrase cannot route to two places);
 - a capability name defined in two taps (warning: the earlier tap wins);
+- a ``config.toml`` key that is a near miss of one capd reads (warning: ``trigers`` is
+  otherwise only "no triggers"; keys far from every known one may belong to other tools and
+  are left alone);
 - routing-only capabilities (info: no provider, plans carry no servers);
 - with an encoder: near-duplicate triggers across capabilities (see :mod:`capd.lint_embed`).
 """
 
 from __future__ import annotations
 
+import difflib
+import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from capd.catalog import Capability, Catalog, Problem
 from capd.taps import _line_of
 
 MIN_TRIGGER_CHARS = 8
+CONFIG_KEYS = ("triggers", "domains", "description")
 
 
 def _normal(text: str) -> str:
@@ -83,6 +89,22 @@ def _check_triggers(capability: Capability) -> Iterable[Problem]:
         seen.add(key)
 
 
+def _check_keys(capability: Capability) -> Iterable[Problem]:
+    config = capability.path / "config.toml"
+    try:
+        text = config.read_text(encoding="utf-8-sig")
+        table = tomllib.loads(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # a broken file is a load error already
+        return
+    for key in table:
+        if key in CONFIG_KEYS:
+            continue
+        meant = difflib.get_close_matches(key, CONFIG_KEYS, n=1, cutoff=0.75)
+        if meant:
+            yield Problem("warning", str(config), f"key {key!r} is not one capd reads; did you mean {meant[0]!r}?",
+                          _line_of(text, key), capability.name, "unknown-key")
+
+
 def _cross_duplicates(catalog: Catalog) -> Iterable[Problem]:
     owner: dict[str, Capability] = {}
     for capability in catalog:
@@ -101,6 +123,7 @@ def lint_catalog(catalog: Catalog) -> list[Problem]:
     for capability in catalog:
         problems.extend(_check_provider(capability))
         problems.extend(_check_triggers(capability))
+        problems.extend(_check_keys(capability))
     problems.extend(_cross_duplicates(catalog))
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(problems, key=lambda p: (order[p.severity], p.file, p.line or 0))

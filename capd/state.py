@@ -26,6 +26,7 @@ hands the store immutable :class:`SessionRecord` values to keep.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
@@ -262,10 +263,8 @@ class SessionStore:
 
     @staticmethod
     def _set_wait(conn: sqlite3.Connection, milliseconds: int) -> None:
-        try:
+        with contextlib.suppress(sqlite3.Error):  # the write's own error says what is wrong
             conn.execute(f"PRAGMA busy_timeout = {milliseconds}")
-        except sqlite3.Error:  # the write's own error says what is wrong
-            pass
 
     @staticmethod
     def _write(conn: sqlite3.Connection, batch: Mapping[str, SessionRecord | None]) -> None:

@@ -39,6 +39,18 @@ def test_warnings_only_exit_zero(tmp_path: Path) -> None:
     assert {"duplicate-trigger", "short-trigger", "no-triggers"} <= codes
 
 
+def test_a_mistyped_key_is_named_and_other_tools_keys_are_not(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    folder = write_capability(tap, "typo", None)
+    (folder / "config.toml").write_text('description = "x"\ntrigers = ["run the typo check"]\nowner = "ops"\n')
+    code, report = _lint(str(tap))
+    assert code == 0
+    found = {p["code"]: p for p in report["problems"] if p["capability"] == "typo"}  # type: ignore[union-attr,index]
+    assert set(found) == {"unknown-key", "no-triggers", "routing-only"}  # nothing about "owner"
+    assert found["unknown-key"]["line"] == 2
+    assert found["unknown-key"]["reason"] == "key 'trigers' is not one capd reads; did you mean 'triggers'?"
+
+
 def test_broken_tap_lists_every_problem_with_file_and_line(tmp_path: Path) -> None:
     tap = octomind_tap(tmp_path)
     write_capability(tap, "bad-toml", None)
