@@ -411,7 +411,8 @@ def load_tap(tap: Path) -> TapLoad:
     """Load every capability of one tap; broken ones are reported and skipped."""
     problems: list[Problem] = []
     if not tap.is_dir():
-        return [], [Problem("error", str(tap), "tap directory does not exist", code="missing-tap")], None
+        reason = "is a file, not a tap directory" if tap.exists() else "tap directory does not exist"
+        return [], [Problem("error", str(tap), reason, code="missing-tap")], None
     if not (tap / "capabilities").is_dir():
         problems.append(Problem("error", str(tap), "not a tap: no capabilities/ directory", code="missing-tap"))
         return [], problems, None

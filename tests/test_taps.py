@@ -133,6 +133,8 @@ def test_unreadable_file(tmp_path: Path) -> None:
 def test_missing_tap_and_bad_names(tmp_path: Path) -> None:
     catalog = load_catalog([tmp_path / "nope"])
     assert len(catalog) == 0 and catalog.errors[0].code == "missing-tap"
+    (tmp_path / "fixtures.jsonl").write_text("{}\n")
+    assert load_catalog([tmp_path / "fixtures.jsonl"]).errors[0].reason == "is a file, not a tap directory"
     tap = octomind_tap(tmp_path)
     (tap / "capabilities" / "bad name!").mkdir()
     catalog = load_catalog([tap])
