@@ -100,20 +100,24 @@ class GateBook:
 
 
 def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str, float | int | bool | None],
-                   model: str | None = None, rule: str = "capd") -> GateBook:
+                   model: str | None = None, rule: str = "capd",
+                   warned: set[tuple[Path, str | None]] | None = None) -> GateBook:
     """Manifest < tap ``capd.toml`` < settings overrides (``threshold``, ``margin``, ``top_k``,
     ``abstain_corpus``, ``coverage``; the last only for ``fused``, the others have no coverage gate).
 
     ``model_gates`` are the manifest's gates for ``rule``; a tap contributes its gates for
     that rule (``abstain_corpus`` too, which ``anchor`` ignores). A tap's gates calibrated for
-    another model are ignored (each model has its own cosine scale).
+    another model are ignored (each model has its own cosine scale), with a warning; ``warned``
+    (the caller's, across reloads) holds the (file, model) pairs already warned about.
     """
     given = {k: v for k, v in overrides.items() if v is not None}
     configs = {t: c for t, c in catalog.tap_configs.items() if model is None or c.model in (None, model)}
     for tap, config in catalog.tap_configs.items():
-        if tap not in configs:
+        if tap not in configs and (warned is None or (config.path, config.model) not in warned):
             log.warning("%s: gates were calibrated for model %s, not %s; using the model's defaults",
                         config.path, config.model, model)
+            if warned is not None:
+                warned.add((config.path, config.model))
 
     def apply(base: Gates, values: Mapping[str, float | int | bool]) -> Gates:
         known = {k: values[k] for k in ("threshold", "margin", "coverage") if k in values}

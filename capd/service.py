@@ -124,6 +124,7 @@ class Service:
         self._corpus_embedded: tuple[str, Embedded] | None = None  # (model id, the abstain corpus embedded)
         self._taps = LiveTaps(settings.taps)
         self._tap_errors: list[Problem] = []
+        self._warned_gates: set[tuple[Path, str | None]] = set()  # capd.toml files for another model, logged once
         self.encoder: Encoder | None = None
         self.embedder: CachedEmbedder | None = None
         self.index: TriggerIndex | None = None
@@ -515,7 +516,8 @@ class Service:
                             coverage=gates.get("coverage", 0.0))
         if auto is not None:
             model_gates = Gates(auto.threshold, auto.margin, TOP_K, coverage=auto.coverage)
-        return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule)
+        return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule,
+                              warned=self._warned_gates)
 
     def _gate_model(self, manifest_name: str) -> str:
         return f"{manifest_name}+tuned" if self.tuning.key is not None else manifest_name

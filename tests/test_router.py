@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def test_discover_and_explain(core_service: Service) -> None:
     assert top["score"] == pytest.approx(float(np.mean(cosines)), abs=2e-4)  # mean of the top-3
 
 
-def test_gate_precedence(tmp_path: Path) -> None:
+def test_gate_precedence(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tap = octomind_tap(tmp_path)
     (tap / "capd.toml").write_text('model = "all-minilm-l6-v2"\n[gates]\nthreshold = 0.6\ntop_k = 2\n')
     catalog = load_catalog([tap])
@@ -87,8 +88,12 @@ def test_gate_precedence(tmp_path: Path) -> None:
     assert book.default == Gates(0.45, 0.08, 2)  # top_k is one for the catalog
     overridden = build_gatebook(model, catalog, {"threshold": 0.3, "margin": None}, model="all-minilm-l6-v2")
     assert overridden.for_tap(tap.absolute()) == Gates(0.3, 0.08, 2)
-    other = build_gatebook(model, catalog, {}, model="bge-small-en-v1.5")
+    warned: set[tuple[Path, str | None]] = set()
+    with caplog.at_level(logging.WARNING, logger="capd.router"):
+        for _ in range(3):  # a daemon builds one on every reload: the warning is said once
+            other = build_gatebook(model, catalog, {}, model="bge-small-en-v1.5", warned=warned)
     assert other.for_tap(tap.absolute()) == model  # calibrated for another model: ignored
+    assert caplog.text.count("calibrated for model all-minilm-l6-v2, not bge-small-en-v1.5") == 1
 
 
 def test_coverage_gate_precedence_and_only_for_fused(tmp_path: Path) -> None:
