@@ -249,6 +249,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
                 watcher.apply()
             while not stop.wait(60.0):
                 if service.registry is not None:
+                    service.reattach_state()
                     service.registry.expire()
 
         thread = threading.Thread(target=warm, name="capd-warmup", daemon=True)

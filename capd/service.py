@@ -187,6 +187,18 @@ class Service:
             log.warning("%s", self.state_error)
             return SessionStore(path, memory=True)
 
+    def reattach_state(self) -> bool:
+        """Sessions kept in memory since the start because the file could not be used: try the
+        file again (the daemon does every minute), moving them there. True when stored on disk."""
+        store = self.registry.store if self.registry is not None else None
+        if store is None or store.persistent:
+            return store is not None
+        if not store.attach():
+            return False
+        self.state_error = None
+        log.warning("session state is stored in %s again: the sessions kept in memory were moved there", store.path)
+        return True
+
     def close(self) -> None:
         self._closed = True
         for timer in (self._learn_timer, self._tune_timer):

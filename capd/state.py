@@ -22,6 +22,9 @@ hands the store immutable :class:`SessionRecord` values to keep.
 - ``SessionStore(path, memory=True)`` keeps everything in an in-memory database: the
   service falls back to it (with a warning and an error in ``/v1/health``) when the file
   cannot be opened at start, so a read-only data directory still gives a working daemon.
+  :meth:`SessionStore.attach` (the daemon tries every minute) opens the file once it can
+  be used, and writes the sessions held in memory to it (the sessions removed meanwhile are
+  removed from it), so a lock or a full disk at start costs no sessions after it clears.
 """
 
 from __future__ import annotations
@@ -131,10 +134,43 @@ class SessionStore:
         self._wait_ms = int(timeout * 1000)
         self._cache: dict[str, SessionRecord] = {}
         self._pending: dict[str, SessionRecord | None] = {}  # None = delete
+        self._forgotten: set[str] = set()  # deleted while in memory only: to delete from the file on attach
         self._cache_lock = threading.Lock()  # brief: dict access only
         self._db_lock = threading.Lock()  # one writer on the connection at a time
         self._conn: sqlite3.Connection | None = self._open_memory() if memory else self._open(timeout)
         self._cache = self._load()
+
+    def attach(self) -> bool:
+        """For a store in memory only: open :attr:`path` now and move the sessions to it (theirs
+        win over the file's copy of the same id; the file's others are kept, except those deleted
+        meanwhile). True once the store is persistent; False, changing nothing, while the file
+        still cannot be used."""
+        if self.persistent:
+            return True
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = self._open(self._wait_ms / 1000)  # not under the write lock: opening may wait for a lock
+            stored = self._read(conn)
+            with self._db_lock:
+                with self._cache_lock:
+                    batch: dict[str, SessionRecord | None] = {**dict.fromkeys(self._forgotten), **self._cache}
+                self._write(conn, batch)
+                with self._cache_lock:
+                    self._cache = {**{k: v for k, v in stored.items() if k not in batch}, **self._cache}
+                    for session, value in batch.items():
+                        if self._pending.get(session, _MISSING) is value:  # not changed again meanwhile
+                            del self._pending[session]
+                    self._forgotten -= batch.keys()
+                old, self._conn = self._conn, conn
+                self.persistent, self.last_error = True, None
+        except (StateError, sqlite3.Error) as exc:
+            log.debug("%s is still unusable: %s", self.path, exc)
+            if conn is not None:
+                conn.close()
+            return False
+        if old is not None:
+            old.close()
+        return True
 
     def _open_memory(self) -> sqlite3.Connection:
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
@@ -195,9 +231,15 @@ class SessionStore:
     def _load(self) -> dict[str, SessionRecord]:
         assert self._conn is not None
         try:
-            rows = self._conn.execute("SELECT id, last_seen, next_seq, active FROM sessions").fetchall()
-        except sqlite3.Error as exc:
+            return self._read(self._conn)
+        except StateError:
             self.close()
+            raise
+
+    def _read(self, conn: sqlite3.Connection) -> dict[str, SessionRecord]:
+        try:
+            rows = conn.execute("SELECT id, last_seen, next_seq, active FROM sessions").fetchall()
+        except sqlite3.Error as exc:
             raise self._fail("read", exc) from None
         records: dict[str, SessionRecord] = {}
         for row in rows:
@@ -228,6 +270,7 @@ class SessionStore:
         with self._cache_lock:
             self._cache[record.session] = record
             self._pending[record.session] = record
+            self._forgotten.discard(record.session)
         self._flush()
 
     def delete(self, session: str) -> None:
@@ -235,6 +278,8 @@ class SessionStore:
         with self._cache_lock:
             self._cache.pop(session, None)
             self._pending[session] = None
+            if not self.persistent:
+                self._forgotten.add(session)
         self._flush()
 
     def _flush(self) -> None:

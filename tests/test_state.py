@@ -16,7 +16,9 @@ import pytest
 
 from capd.catalog import Catalog
 from capd.errors import StateError
+from capd.service import Service
 from capd.sessions import SessionRegistry
+from capd.settings import Settings
 from capd.state import FILENAME, SCHEMA_VERSION, ActiveCapability, SessionRecord, SessionStore
 from capd.taps import load_catalog
 from tests.taputil import write_capability
@@ -166,6 +168,61 @@ def test_read_only_directory(tmp_path: Path) -> None:
             SessionStore(data / FILENAME)
     finally:
         _thaw(data)
+
+
+def test_a_store_on_memory_moves_to_the_file_once_it_can(tmp_path: Path, catalog: Catalog,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locked (or full, or read-only) at the start, the file used to stay unused for the whole run,
+    and the sessions of that run were lost at the next stop."""
+    monkeypatch.setattr("capd.state.OPEN_WAIT", 0.05)
+    path = tmp_path / FILENAME
+    with SessionStore(path) as before:
+        for session in ("old-1", "old-2", "gone"):
+            before.put(SessionRecord(session, 1.0, 0))
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StateError):
+            SessionStore(path, timeout=0.05)
+        store = SessionStore(path, timeout=0.05, memory=True)  # what the service falls back to
+        registry = SessionRegistry(store, lambda: catalog, clock=Clock())
+        registry.activate("old-1", "git")  # the agent came back: a fresh session under its old id
+        registry.activate("new", "rust")
+        store.delete("gone")  # dropped meanwhile (e.g. by an agent that knew it)
+        assert store.attach() is False and not store.persistent  # still locked: nothing changes
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert store.attach() is True and store.persistent
+    assert store.ids() == ("new", "old-1", "old-2")
+    registry.activate("new", "fs-read")  # written to the file from now on
+    store.close()
+    with SessionStore(path) as after:
+        assert after.ids() == ("new", "old-1", "old-2")
+        assert [a.name for a in (after.get("old-1") or SessionRecord("", 0, 0)).active] == ["git"]
+        assert [a.name for a in (after.get("new") or SessionRecord("", 0, 0)).active] == ["rust", "fs-read"]
+
+
+def test_the_service_reattaches_its_session_file(tmp_path: Path, tap: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("capd.state.OPEN_WAIT", 0.05)
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
+    path = settings.data_dir / FILENAME
+    SessionStore(path).close()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        service = Service(settings, sessions=True).start()
+        assert service.registry is not None and not service.registry.store.persistent
+        assert "kept in memory only" in service.health()["errors"][0]["reason"]
+        service.registry.activate("s1", "git")
+        assert service.reattach_state() is False
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert service.reattach_state() is True and service.health()["errors"] == []
+    service.close()
+    with SessionStore(path) as stored:
+        assert stored.ids() == ("s1",)
 
 
 def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog, caplog: pytest.LogCaptureFixture,
