@@ -16,13 +16,13 @@ A tap with fixtures but no floors file is checked against nothing and reported a
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
-from capd.errors import FixtureError
+from capd.errors import FixtureError, TapFileError
+from capd.taps import _line_of, parse_toml
 
 FLOORS_FILE = "floors.toml"
 _MINIMA = {"min_top1": "top1", "min_fired_right": "fired_right"}
@@ -42,36 +42,35 @@ def load_floors(tap: Path) -> Floors:
     if not path.exists():
         return Floors(path=None)
     try:
-        table = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FixtureError(path, f"cannot read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise FixtureError(path, f"invalid TOML: {exc}") from None
+        table, text, _ = parse_toml(path, tap)
+    except TapFileError as exc:  # unreadable, not UTF-8, invalid TOML: with its line
+        raise FixtureError(path, exc.reason, exc.line) from None
     floors = table.get("floors", {})
     if not isinstance(floors, dict):
-        raise FixtureError(path, "[floors] must be a table")
+        raise FixtureError(path, "[floors] must be a table", _line_of(text, "floors"))
     minima: dict[str, float] = {}
     maxima: dict[str, float] = {}
     kinds: dict[str, float] = {}
+
+    def fraction(key: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise FixtureError(path, f"{key} must be a number between 0 and 1", _line_of(text, key.split(".")[-1]))
+        return float(value)
+
     for key, value in floors.items():
         if key == "kinds":
             if not isinstance(value, dict):
-                raise FixtureError(path, "[floors.kinds] must be a table of kind = minimum accuracy")
-            kinds = {k: _fraction(path, f"floors.kinds.{k}", v) for k, v in value.items()}
+                raise FixtureError(path, "[floors.kinds] must be a table of kind = minimum accuracy",
+                                   _line_of(text, "kinds"))
+            kinds = {k: fraction(f"floors.kinds.{k}", v) for k, v in value.items()}
         elif key in _MINIMA:
-            minima[_MINIMA[key]] = _fraction(path, f"floors.{key}", value)
+            minima[_MINIMA[key]] = fraction(f"floors.{key}", value)
         elif key in _MAXIMA:
-            maxima[_MAXIMA[key]] = _fraction(path, f"floors.{key}", value)
+            maxima[_MAXIMA[key]] = fraction(f"floors.{key}", value)
         else:
             known = ", ".join([*_MINIMA, *_MAXIMA, "kinds"])
-            raise FixtureError(path, f"floors.{key}: unknown floor (known: {known})")
+            raise FixtureError(path, f"floors.{key}: unknown floor (known: {known})", _line_of(text, key))
     return Floors(path=path, minima=minima, maxima=maxima, kinds=kinds)
-
-
-def _fraction(path: Path, key: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise FixtureError(path, f"{key} must be a number between 0 and 1")
-    return float(value)
 
 
 @dataclass(frozen=True)

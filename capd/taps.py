@@ -146,11 +146,22 @@ def _parse(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
         raise TapFileError(path, f"invalid TOML: {reason}", where) from None
 
 
-def _line_of(text: str, key: str) -> int | None:
-    """Best-effort line of ``key = …`` or ``[key]`` so schema errors point somewhere useful."""
+def _line_of(text: str, key: str, start: int = 0, end: int | None = None) -> int | None:
+    """Best-effort line of ``key = …`` or ``[key]`` (between offsets ``start`` and ``end``) so
+    schema errors point somewhere useful."""
     pattern = re.compile(rf"^\s*(\[\[?\s*{re.escape(key)}\s*\]\]?|[\"']?{re.escape(key)}[\"']?\s*=)", re.M)
-    match = pattern.search(text)
+    match = pattern.search(text, start, len(text) if end is None else end)
     return text.count("\n", 0, match.start()) + 1 if match else None
+
+
+def _entry_line(text: str, array: str, index: int, key: str) -> int | None:
+    """The line of ``key`` in the ``index``-th ``[[array]]`` table (its header line without the key)."""
+    headers = list(re.finditer(rf"^\s*\[\[\s*{re.escape(array)}\s*\]\]", text, re.M))
+    if index >= len(headers):
+        return _line_of(text, key)
+    start = headers[index].start()
+    following = re.compile(r"^\s*\[", re.M).search(text, headers[index].end())
+    return _line_of(text, key, start, following.start() if following else None) or text.count("\n", 0, start) + 1
 
 
 class _Checker:
@@ -196,20 +207,27 @@ def _header(text: str) -> dict[str, str]:
 
 def _server(check: _Checker, index: int, table: object) -> ServerSpec:
     label = f"mcp.servers[{index}]"
+
+    def fail(key: str, reason: str) -> TapFileError:  # at the line in this entry, not the first server's
+        return TapFileError(check.path, f"{label}.{key} {reason}", _entry_line(check.text, "mcp.servers", index, key))
+
     if not isinstance(table, dict):
         raise check.fail("mcp.servers", f"entry {index} must be a table")
     if not isinstance(table.get("name"), str) or not table["name"]:
-        raise check.fail("mcp.servers", f"entry {index} needs a non-empty string 'name'")
+        raise fail("name", "must be a non-empty string")
     for key in ("type", "command", "url"):
-        check.optional_str(table, key, f"{label}.{key}")
-    check.strings(table, "args", f"{label}.args")
-    check.strings(table, "tools", f"{label}.tools")
+        if table.get(key) is not None and not isinstance(table[key], str):
+            raise fail(key, "must be a string")
+    for key in ("args", "tools"):
+        value = table.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise fail(key, "must be a list of strings")
     timeout = table.get("timeout_seconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise check.fail(f"{label}.timeout_seconds", "must be a positive number")
+        raise fail("timeout_seconds", "must be a positive number")
     env = table.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-        raise check.fail(f"{label}.env", "must be a table of strings")
+        raise fail("env", "must be a table of strings")
     return ServerSpec.from_table(table)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -19,6 +20,7 @@ from capd.cli import main
 from capd.errors import FixtureError
 from capd.evaluation import ScoreTable, apply_gates, breakdown, embed_fixtures, metrics
 from capd.fixtures import Fixture, load_fixtures
+from capd.floors import load_floors
 from capd.router import abstain_corpus
 from capd.service import Service
 from capd.settings import Settings, default_taps
@@ -338,3 +340,14 @@ def test_calibration_keeps_the_abstain_corpus_only_when_it_fires_right_more_ofte
     assert on and tried["with"] == 1.0 and tried["without"] < 1.0
     on, tried = chosen["a positive phrased like the corpus"]
     assert not on and tried["without"] == 1.0 and tried["with"] < 1.0
+
+
+def test_floors_errors_name_their_line(tmp_path: Path) -> None:
+    (tmp_path / "fixtures").mkdir()
+    floors = tmp_path / "fixtures" / "floors.toml"
+    for text, line, reason in [("[floors]\nmin_top1 = 0.8\nmax_null_fpr = 2\n", 3, "floors.max_null_fpr must be"),
+                               ("[floors]\n\n[floors.kinds]\nchitchat = 'all'\n", 4, "floors.kinds.chitchat must be"),
+                               ("[floors\n", 1, "invalid TOML")]:
+        floors.write_text(text)
+        with pytest.raises(FixtureError, match=rf"floors.toml: line {line}: {re.escape(reason)}"):
+            load_floors(tmp_path)

@@ -253,3 +253,13 @@ def test_dangling_and_looping_folder_links_are_reported(tmp_path: Path) -> None:
     by_cap = {p.capability: p.reason for p in load_catalog([tap]).errors}
     assert set(by_cap) == {"ghost", "loop-a", "loop-b"}
     assert "'no-such-folder', which does not exist" in by_cap["ghost"] and "symlink loop" in by_cap["loop-a"]
+
+
+def test_a_server_entrys_error_points_at_that_entry(tmp_path: Path) -> None:
+    """The line used to be the first ``name =`` of the file (or none), whichever server was wrong."""
+    tap = octomind_tap(tmp_path)
+    provider = POSTGRES_PROVIDER + '\n[[mcp.servers]]\nname = 7\ncommand = "x"\n'
+    write_capability(tap, "two", ["two servers here"], {"p": provider}, default="p")
+    (problem,) = load_catalog([tap]).errors
+    assert problem.reason == "mcp.servers[1].name must be a non-empty string"
+    assert problem.line == provider.splitlines().index("name = 7") + 1
