@@ -40,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ CREATE TABLE IF NOT EXISTS learned (
 """
 KINDS = ("trigger", "abstain")  # message -> capability, and message -/-> capability
 REFUSED = "refused"  # a turn's decision once the agent disabled what it activated
+CORRECTED = "corrected"  # a turn's decision once an enable has learned from it
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,30 @@ class LearnedStore:
                 return conn
             except (OSError, sqlite3.Error) as exc:
                 self.error = f"cannot store learned examples in {path}: {exc}; keeping them in memory"
-                log.error("%s", self.error)
         conn = sqlite3.connect(":memory:", check_same_thread=False)
         conn.execute(_SCHEMA)
+        if path is not None and self.error is not None:
+            self.error += self._copy_readable(path, conn)
+            log.error("%s", self.error)
         return conn
+
+    @staticmethod
+    def _copy_readable(path: Path, conn: sqlite3.Connection) -> str:
+        """What a file that cannot be written still holds (a read-only data directory), copied into
+        ``conn`` so routing keeps its corrections; the words to add to the error."""
+        if not path.is_file():
+            return ""
+        try:
+            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as stored:
+                columns = {row[1] for row in stored.execute("PRAGMA table_info(learned)")}
+                kind = "kind" if "kind" in columns else "'trigger'"
+                rows = stored.execute(f"SELECT tap, capability, message, previous, session, created, {kind} "
+                                      "FROM learned").fetchall()
+        except sqlite3.Error as exc:
+            return f" (its contents cannot be read either: {exc}; it is left as it is)"
+        conn.executemany("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        conn.commit()
+        return f" (the {len(rows)} it holds are used, read-only)"
 
     @contextmanager
     def _cursor(self) -> Iterator[sqlite3.Connection]:
@@ -220,16 +241,21 @@ class Corrections:
                 self._turns.popitem(last=False)
 
     def enabled(self, session: str, name: str) -> Turn | None:
-        """The turn that enabling ``name`` corrects (then used up), or None."""
+        """The turn that enabling ``name`` corrects, or None: the session's latest routed turn,
+        once. It stays, marked corrected, so that enabling again (or after a disable) does not
+        reach back to older turns: toggling a capability taught it every recent message."""
         with self._lock:
             turns = self._turns.get(session)
-            for turn in reversed(turns or ()):
+            for index in range(len(turns or ()) - 1, -1, -1):
+                assert turns is not None
+                turn = turns[index]
                 if turn.decision == "skipped":
                     continue
+                if turn.decision == CORRECTED:
+                    return None  # the latest turn was corrected already
                 if turn.capability == name and turn.decision in ("activate", "already_active"):
                     return None  # routing already chose it: nothing to learn
-                assert turns is not None
-                turns.remove(turn)
+                turns[index] = Turn(turn.message, CORRECTED, name)
                 return turn
             return None
 

@@ -637,12 +637,16 @@ class Service:
     # -- health ----------------------------------------------------------------------------
 
     def _state_errors(self) -> list[dict[str, Any]]:
-        """The session file, while it cannot be written (capd then serves from memory)."""
+        """The session file while it cannot be written (capd then serves from memory), and the
+        learned-corrections file likewise: corrections learned meanwhile are lost at the next stop."""
+        errors = []
         store = self.registry.store if self.registry is not None else None
         reason = self.state_error or (store.last_error if store is not None else None)
-        if store is None or reason is None:
-            return []
-        return [{"file": str(store.path), "line": None, "reason": reason}]
+        if store is not None and reason is not None:
+            errors.append({"file": str(store.path), "line": None, "reason": reason})
+        if self.learned is not None and self.learned.error is not None:
+            errors.append({"file": str(self.learned.path), "line": None, "reason": self.learned.error})
+        return errors
 
     def health(self) -> dict[str, Any]:
         catalog = self.catalog_now()

@@ -204,6 +204,13 @@ def test_a_trailing_slash_is_a_404_with_a_reason_not_a_redirect(serve: Serve) ->
     assert response.status_code == 404 and response.json()["error"] == "not_found", response.text
 
 
+def test_a_tap_path_that_is_not_a_tap_is_an_error_in_process(tmp_path: Path) -> None:
+    """It routed against nothing and exited 0: a mistyped path looked like a real abstain."""
+    for args in (["route", "list my running containers"], ["discover", "containers"]):
+        result = _capd(*args, "--tap", str(tmp_path / "nope"), "--model", "hash", "--data-dir", str(tmp_path / "d"))
+        assert result.exit_code == 1 and result.stderr == f"capd: {tmp_path / 'nope'}: not a tap (no such directory)\n"
+
+
 def test_the_client_says_a_lone_surrogate_is_not_text(serve: Serve) -> None:
     with CapdClient(f"http://127.0.0.1:{serve()}") as client, pytest.raises(ClientError, match="lone surrogate"):
         client.route("s1", "deploy \ud800 now")

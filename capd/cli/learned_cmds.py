@@ -88,6 +88,9 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
                      EXIT_USAGE)
     settings = build_settings(config, data_dir=data_dir, host=host, port=port, uds=uds)
     store = _store(settings)
+    if store.error is not None:  # forgetting in memory would say "forgot N" and change nothing
+        store.close()
+        raise Failed(store.error.replace("; keeping them in memory", ""))
     removed = sum(store.forget(tap=_tap(tap), capability=capability, message=message) for tap in taps or (None,))
     store.close()
     reloaded = False

@@ -26,8 +26,14 @@ from capd.settings import RULES, Settings
 
 
 def _service(settings: Settings) -> Any:
+    """An in-process service on ``settings.taps``; a tap path that is not a tap is an error here
+    (a daemon keeps waiting for it; a command would route against nothing and look like an abstain)."""
     from capd.service import Service
 
+    for tap in settings.taps:
+        if not (Path(tap) / "capabilities").is_dir():
+            what = "no such directory" if not Path(tap).exists() else "no capabilities/ folder in it"
+            raise Failed(f"{tap}: not a tap ({what})")
     return Service(settings).start()
 
 
