@@ -342,9 +342,10 @@ def test_read_only_data_dir_at_start_serves_from_memory(tmp_path: Path, daemon_f
         with daemon.client() as http:
             health = http.get("/v1/health").json()
             assert health["ready"] and health["status"] == "ok"
-            (error,) = health["errors"]
+            error, learned = health["errors"]  # sessions and learned corrections, both in memory
             assert error["file"] == str(data / "sessions.sqlite3")
             assert "writable" in error["reason"] and "in memory only" in error["reason"]
+            assert learned["file"] == str(data / "learned.sqlite3") and "keeping them in memory" in learned["reason"]
             plan = http.post("/v1/sessions/m/enable", json={"name": "db-postgres"}).json()
             assert plan["active"] == ["db-postgres"]
             assert [a["name"] for a in http.get("/v1/sessions/m").json()["active"]] == ["db-postgres"]
@@ -418,7 +419,8 @@ def test_data_dir_that_cannot_be_created_serves_from_memory(tmp_path: Path) -> N
     try:
         assert service.registry is not None and not service.registry.store.persistent
         assert service.registry.activate("m", "k8s").active == ("k8s",)
-        (error,) = service.health()["errors"]
+        error, learned = service.health()["errors"]  # sessions and learned corrections, both in memory
         assert error["file"] == str(blocker / "data" / "sessions.sqlite3") and "in memory only" in error["reason"]
+        assert learned["file"] == str(blocker / "data" / "learned.sqlite3")
     finally:
         service.close()
