@@ -41,7 +41,7 @@ import numpy.typing as npt
 
 from capd import fused
 from capd.batching import aembed, aembed_tokens
-from capd.catalog import Capability, Catalog
+from capd.catalog import Capability, Catalog, TapConfig
 from capd.encoder import Encoder, TokenVectors
 from capd.errors import UnknownCapability
 from capd.index import TriggerIndex
@@ -111,7 +111,7 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
     (the caller's, across reloads) holds the (file, model) pairs already warned about.
     """
     given = {k: v for k, v in overrides.items() if v is not None}
-    configs = {t: c for t, c in catalog.tap_configs.items() if model is None or c.model in (None, model)}
+    configs = {t: c for t, c in catalog.tap_configs.items() if _calibrated_for(c, model)}
     for tap, config in catalog.tap_configs.items():
         if tap not in configs and (warned is None or (config.path, config.model) not in warned):
             log.warning("%s: gates were calibrated for model %s, not %s; using the model's defaults",
@@ -140,13 +140,18 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
     return GateBook(default=default, by_tap=MappingProxyType(by_tap))
 
 
+def _calibrated_for(config: TapConfig, model: str | None) -> bool:
+    """A tap's gates apply to ``model`` (None: any) unless they were calibrated for another one."""
+    return model is None or config.model in (None, model)
+
+
 def taps_set_gates(catalog: Catalog, rule: str, model: str | None = None) -> bool:
     """Whether every tap that provides a capability sets its own threshold and margin for ``rule``
     in a ``capd.toml`` calibrated for ``model`` (then the model's gates, auto gates included, gate
-    nothing; :func:`build_gatebook` applies the same model filter)."""
+    nothing)."""
     for tap in {capability.tap for capability in catalog}:
         config = catalog.tap_configs.get(tap)
-        if config is None or (model is not None and config.model not in (None, model)):
+        if config is None or not _calibrated_for(config, model):
             return False
         if not {"threshold", "margin"} <= config.gates_for(rule).keys():
             return False

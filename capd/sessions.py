@@ -337,7 +337,7 @@ class SessionRegistry:
         for session in self.store.ids():
             with self.locked(session):
                 record = self.store.get(session)
-                if record is not None and self._clock() - record.last_seen > self.ttl:
+                if record is not None and self._idle(record, self._clock()):
                     self._persist(self.store.delete, session)
                     expired.append(session)
         if expired:
@@ -349,7 +349,11 @@ class SessionRegistry:
         """The session's record; None if there is none or it has been idle past ``ttl`` (left for
         the sweep or the next plan, which tears its capabilities down: see the module docstring)."""
         record = self.store.get(check_session_id(session))
-        return None if record is None or self._clock() - record.last_seen > self.ttl else record
+        return None if record is None or self._idle(record, self._clock()) else record
+
+    def _idle(self, record: SessionRecord, now: float) -> bool:
+        """Idle for longer than ``ttl``: expired, whether or not the sweep has dropped it yet."""
+        return now - record.last_seen > self.ttl
 
     def _require(self, session: str) -> SessionRecord:
         record = self._record(session)
@@ -359,7 +363,7 @@ class SessionRegistry:
 
     def _begin(self, session: str, catalog: Catalog, now: float) -> _Change:
         record = self.store.get(session)
-        expired = record is not None and now - record.last_seen > self.ttl
+        expired = record is not None and self._idle(record, now)
         if expired:
             log.info("session %s was idle past the ttl: its capabilities are torn down", session)
         if record is None:

@@ -157,10 +157,8 @@ class SessionStore:
                 self._write(conn, batch)
                 with self._cache_lock:
                     self._cache = {**{k: v for k, v in stored.items() if k not in batch}, **self._cache}
-                    for session, value in batch.items():
-                        if self._pending.get(session, _MISSING) is value:  # not changed again meanwhile
-                            del self._pending[session]
                     self._forgotten -= batch.keys()
+                self._settle(batch)
                 old, self._conn = self._conn, conn
                 self.persistent, self.last_error = True, None
         except (StateError, sqlite3.Error) as exc:
@@ -301,10 +299,14 @@ class SessionStore:
             if self.last_error is not None:
                 self._set_wait(self._conn, self._wait_ms)
             self.last_error = None
-            with self._cache_lock:
-                for session, value in batch.items():
-                    if self._pending.get(session, _MISSING) is value:  # not changed again meanwhile
-                        del self._pending[session]
+            self._settle(batch)
+
+    def _settle(self, batch: Mapping[str, SessionRecord | None]) -> None:
+        """``batch`` is committed: those pending changes are done, unless changed again meanwhile."""
+        with self._cache_lock:
+            for session, value in batch.items():
+                if self._pending.get(session, _MISSING) is value:
+                    del self._pending[session]
 
     @staticmethod
     def _set_wait(conn: sqlite3.Connection, milliseconds: int) -> None:

@@ -205,29 +205,36 @@ def _header(text: str) -> dict[str, str]:
     return found
 
 
+class _EntryChecker(_Checker):
+    """:class:`_Checker` inside the ``index``-th ``[[array]]`` table: a failure points at a line of
+    that entry, not at the first entry's key of the same name."""
+
+    def __init__(self, check: _Checker, array: str, index: int) -> None:
+        super().__init__(check.path, check.text)
+        self.array, self.index = array, index
+
+    def fail(self, key: str, reason: str) -> TapFileError:
+        return TapFileError(self.path, f"{key} {reason}",
+                            _entry_line(self.text, self.array, self.index, key.split(".")[-1]))
+
+
 def _server(check: _Checker, index: int, table: object) -> ServerSpec:
     label = f"mcp.servers[{index}]"
-
-    def fail(key: str, reason: str) -> TapFileError:  # at the line in this entry, not the first server's
-        return TapFileError(check.path, f"{label}.{key} {reason}", _entry_line(check.text, "mcp.servers", index, key))
-
     if not isinstance(table, dict):
         raise check.fail("mcp.servers", f"entry {index} must be a table")
+    entry = _EntryChecker(check, "mcp.servers", index)
     if not isinstance(table.get("name"), str) or not table["name"]:
-        raise fail("name", "must be a non-empty string")
+        raise entry.fail(f"{label}.name", "must be a non-empty string")
     for key in ("type", "command", "url"):
-        if table.get(key) is not None and not isinstance(table[key], str):
-            raise fail(key, "must be a string")
-    for key in ("args", "tools"):
-        value = table.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise fail(key, "must be a list of strings")
+        entry.optional_str(table, key, f"{label}.{key}")
+    entry.strings(table, "args", f"{label}.args")
+    entry.strings(table, "tools", f"{label}.tools")
     timeout = table.get("timeout_seconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise fail("timeout_seconds", "must be a positive number")
+        raise entry.fail(f"{label}.timeout_seconds", "must be a positive number")
     env = table.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-        raise fail("env", "must be a table of strings")
+        raise entry.fail(f"{label}.env", "must be a table of strings")
     return ServerSpec.from_table(table)
 
 
