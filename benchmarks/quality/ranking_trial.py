@@ -1,7 +1,8 @@
 """Research harness for the fused rule's ranking inputs: lexical weight, common words, head features.
 
 Run: ``.venv/bin/python -m benchmarks.quality.ranking_trial [--sets a,b] [--lexical 0,0.005,0.01,0.02]
-[--common 0,1000,3000] [--layers "6;4,5,6"]`` (about 4 minutes for every set).
+[--common 0,1000,3000] [--layers "6;4,5,6"] [--head-c 20,100] [--augment 2:0.15,4:0.15]`` (about 4
+minutes for every set with the default variants; ``--head-c`` and ``--augment`` add about a minute).
 
 Per set, the shipped fused rule first, then each variant on its own (the others as shipped):
 
@@ -15,6 +16,10 @@ Per set, the shipped fused rule first, then each variant on its own (the others 
   unit-normalised hidden states of layers L (6 is the last of MiniLM's; the sentence vector),
   scaled to unit length; the nearest-example scores stay on the sentence vectors. Layer
   features come from torch (``transformers``) over the model's directory.
+- ``--head-c C``: the head's inverse L2 strength (``fused.HEAD_C``; shipped 10).
+- ``--augment N:P``: the head also fitted on N copies of each example of three words or more with
+  each word dropped with probability P (seeded; copies equal to the example are left out), an
+  "easy data augmentation" for a head that has few examples per capability.
 
 Reports top1 on the fit and held-out positives and the held-out metrics at the gates calibrated on
 the fit part (as ``make quality`` does), and writes ``benchmarks/results/ranking_trial.json``.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -116,6 +122,22 @@ def out_of_fold_top1(examples: Examples, weights: Sequence[float]) -> dict[float
     return {w: right[w] / max(scored, 1) for w in weights}
 
 
+def word_dropped(examples: Examples, copies: int, rate: float, seed: int = 0) -> tuple[list[str], np.ndarray]:
+    """``copies`` variants of every example of three words or more, each word dropped with
+    probability ``rate`` (never all of them), with the examples' labels."""
+    rng, texts, labels = random.Random(seed), [], []
+    for text, label in zip(examples.texts, examples.labels, strict=True):
+        words = text.split()
+        if len(words) < 3:
+            continue
+        for _ in range(copies):
+            variant = " ".join([w for w in words if rng.random() >= rate] or words[:1])
+            if variant != text:
+                texts.append(variant)
+                labels.append(label)
+    return texts, np.asarray(labels, dtype=np.int64)
+
+
 def measure(table: ScoreTable, fit_rows: np.ndarray, held_rows: np.ndarray) -> dict[str, Any]:
     winner, _, _ = table.gate_inputs()
     right = table.expected[np.arange(len(winner)), winner] & table.positive
@@ -131,11 +153,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--lexical", default="0,0.005,0.01,0.02", help="BM25 weights (shipped 0.02)")
     parser.add_argument("--common", default="1000,3000", help="how many common words become stop words")
     parser.add_argument("--layers", default="4,5,6;3,4,5,6", help="';'-separated layer lists for the head")
+    parser.add_argument("--head-c", default="", help="the head's C values (shipped 10)")
+    parser.add_argument("--augment", default="", help="copies:drop-rate pairs, e.g. 2:0.15,4:0.15")
     parser.add_argument("--out", type=Path, default=RESULTS / "ranking_trial.json")
     args = parser.parse_args(argv)
     lexical = [float(w) for w in args.lexical.split(",") if w]
     commons = [int(r) for r in args.common.split(",") if r]
     layer_sets = [tuple(int(x) for x in group.split(",")) for group in args.layers.split(";") if group]
+    head_cs = [float(c) for c in args.head_c.split(",") if c]
+    augments = [(int(n), float(p)) for n, p in (pair.split(":") for pair in args.augment.split(",") if pair)]
     directory = model_directory()
     vocabulary = common_words(directory)
     layer_features = LayerFeatures(directory) if layer_sets else None
@@ -172,6 +198,18 @@ def main(argv: list[str]) -> None:
                 fields = {f.name: getattr(head, f.name) for f in dataclasses.fields(fused.FusedHead)}
                 variants.append((f"layers {','.join(map(str, layers))}",
                                  LayerHead(**{**fields, "weight": weight, "bias": bias}, features=features), None))
+            shipped_c = fused.HEAD_C
+            for c in head_cs:
+                fused.HEAD_C = c
+                weight, bias = fused.fit_head(examples.vectors, examples.labels, len(examples.names))
+                variants.append((f"head C {c:g}", dataclasses.replace(head, weight=weight, bias=bias), None))
+            fused.HEAD_C = shipped_c
+            for copies, rate in augments:
+                texts, labels = word_dropped(examples, copies, rate)
+                weight, bias = fused.fit_head(np.vstack([examples.vectors, router.encoder.embed(texts)]),
+                                              np.concatenate([examples.labels, labels]), len(examples.names))
+                variants.append((f"augment {copies}x{rate:g}", dataclasses.replace(head, weight=weight, bias=bias),
+                                 None))
             for label, variant, oof_top1 in variants:
                 router.head = variant
                 entry = {"set": evalset.name, "variant": label, "oof_top1": oof_top1,
