@@ -199,6 +199,29 @@ def test_tap_deleted_and_created_anew_is_watched_again(tmp_path: Path) -> None:
         watcher.stop()
 
 
+def test_a_capability_moved_out_and_back_is_reloaded_without_warnings(tmp_path: Path,
+                                                                       recwarn: pytest.WarningsRecorder) -> None:
+    """watchdog keeps the watch of a folder moved out of the tap; moved back, it watches it again and
+    warned "Callback with id … already exists for watch" (from its inotify thread: ``recwarn``
+    records warnings of every thread while the test runs) into the daemon's log."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        folder, outside = tap / "capabilities" / "smalltalk", tmp_path / "smalltalk"
+        for _ in range(2):
+            folder.rename(outside)
+            assert _wait(lambda: "smalltalk" not in service.catalog_now())
+            outside.rename(folder)
+            assert _wait(lambda: "smalltalk" in service.catalog_now())
+        (folder / "config.toml").write_text('triggers = ["tell me about the weather tomorrow"]\n')
+        assert _wait(lambda: service.catalog_now().capabilities["smalltalk"].triggers
+                     == ("tell me about the weather tomorrow",))  # still watched
+    finally:
+        watcher.stop()
+    assert [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning)] == []
+
+
 def test_an_edit_made_while_the_daemon_starts_is_applied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon watches the taps before it loads them: a capability written after the load read
     the folder but before the service was ready (a fused first start on a large tap takes minutes)
