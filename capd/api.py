@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -66,6 +67,11 @@ from capd.watcher import TapWatcher
 
 log = logging.getLogger(__name__)
 
+# Seconds between checks of learned.sqlite3 for commits by other processes (capd learned forget, a
+# second daemon on this data directory): a forgotten correction stops routing within this. A check
+# costs a few microseconds (PRAGMA data_version) when nothing changed.
+LEARNED_CHECK_INTERVAL = 2.0
+UPKEEP_INTERVAL = 60.0  # seconds between session upkeep runs: retry the session file, expire idle sessions
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_BODY_BYTES = 256 * 1024
 BODY_TOO_LARGE = f"request body over {MAX_BODY_BYTES} bytes"
@@ -247,10 +253,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
             log.info("ready: %d capabilities in %.2fs", len(service.catalog_now()), service.ready_after or 0)
             if watcher is not None and not stop.is_set():
                 watcher.apply()
-            while not stop.wait(60.0):
-                if service.registry is not None:
-                    service.reattach_state()
-                    service.registry.expire()
+            upkeep(service, stop)
 
         thread = threading.Thread(target=warm, name="capd-warmup", daemon=True)
         thread.start()
@@ -272,6 +275,27 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
     _install_middleware(app, settings)
     _install_routes(app)
     return app
+
+
+def upkeep(service: Service, stop: threading.Event) -> None:
+    """The daemon's periodic work, in its warm-up thread (off the event loop) until ``stop``:
+    learned examples changed by another process every :data:`LEARNED_CHECK_INTERVAL` seconds,
+    session upkeep every :data:`UPKEEP_INTERVAL`. A failure is logged and the loop goes on."""
+    upkeep_at = time.monotonic() + UPKEEP_INTERVAL
+    while not stop.wait(LEARNED_CHECK_INTERVAL):
+        try:
+            service.refresh_learned()  # logs a file it cannot read once; a failing publish once per change
+        except Exception:
+            log.exception("cannot route with the learned examples changed by another process")
+        if time.monotonic() < upkeep_at or stop.is_set():
+            continue
+        upkeep_at = time.monotonic() + UPKEEP_INTERVAL
+        if service.registry is not None:
+            try:
+                service.reattach_state()
+                service.registry.expire()
+            except Exception:
+                log.exception("session upkeep failed; retrying in %.0f s", UPKEEP_INTERVAL)
 
 
 def _service(request: Request) -> Service:

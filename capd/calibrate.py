@@ -25,11 +25,13 @@ agent's tools), and costs taps whose capabilities are themselves everyday reques
 music), so it is the tap's fixtures that decide.
 
 ``--write`` stores the point in ``<tap>/capd.toml`` (``[gates]`` plus the model it was fitted
-for); capability files are never touched.
+for), updating the file in place so that what the tap's author wrote there stays
+(:func:`write_gates`); capability files are never touched.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import tomllib
 from collections.abc import Callable, Sequence
@@ -39,12 +41,14 @@ from typing import Any
 
 import numpy as np
 
-from capd import atomic, fused
+from capd import atomic, fused, toml_edit
 from capd.encoder import TokenVectors
 from capd.errors import TapFileError
 from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
 from capd.fixtures import Fixture
 from capd.router import Router
+from capd.taps import GATE_KEYS, SWITCH
+from capd.toml_edit import KeyPath, render_key
 
 HELD_OUT_SHARE = 0.3
 CORPUS_MIN_GAIN = 0.02  # fit fired_right the abstain corpus must add to be kept
@@ -242,33 +246,114 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
 def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd") -> Path:
     """Store gates for ``rule`` in ``<tap>/capd.toml``, keeping the other rule's gates.
 
-    ``abstain_corpus = true`` is written when the point chose the corpus. Only capd's own
-    file is written. Gates recorded for another model are dropped (each model has its own
-    scale); a ``capd.toml`` that does not parse is left alone (error).
+    An existing file is updated in place, line by line: the values of ``threshold``, ``margin``
+    and ``top_k`` (``[gates]``: rules capd, anchor) or ``coverage`` (``[gates.fused]``) are
+    replaced where they stand, a trailing comment kept; a missing key goes after the last key
+    line of its table, a missing table at the end, a missing ``model`` before the first table.
+    Every comment, blank line and other key stays. ``abstain_corpus = true`` is written when the
+    point chose the corpus, and an ``abstain_corpus`` already there is set to ``false`` when it
+    did not. Gates recorded for another model are stale (each model has its own scale): the other
+    table's gate lines are deleted, its comments kept. A new file starts with a comment that says
+    what it is. The result is read back before it replaces the file, which is left alone (error)
+    when it does not parse, when the gates are written in a shape capd does not edit (an inline
+    table, an array of tables, a value over several lines) or when the read-back is not exactly
+    the intended gates with every other key unchanged.
     """
     path = tap / "capd.toml"
-    existing: dict[str, Any] = {}
+    text, old = _NEW_FILE, {}
     if path.exists():
         try:
-            existing = tomllib.loads(path.read_text(encoding="utf-8"))
+            text = path.read_bytes().decode("utf-8")  # not read_text: its newline translation would drop \r\n
+            old = tomllib.loads(text.removeprefix("\ufeff"))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise TapFileError(path, f"cannot update it ({exc}); fix or remove it, then calibrate again") from None
-    cosine = {k: v for k, v in dict(existing.get("gates") or {}).items() if k != "fused"}
-    fused_gates = dict((existing.get("gates") or {}).get("fused") or {})
-    if existing.get("model") not in (None, model):
-        cosine, fused_gates = {}, {}
-    switch = {"abstain_corpus": True} if point.get("abstain_corpus") else {}
+    own: KeyPath
+    other: KeyPath
     if rule == "fused":
-        fused_gates = {"threshold": point["threshold"], "margin": point["margin"],
-                       "coverage": point.get("coverage", 0.0), **switch}
+        own, other = ("gates", "fused"), ("gates",)
+        values: dict[str, float | int | bool] = {"threshold": float(point["threshold"]),
+                                                 "margin": float(point["margin"]),
+                                                 "coverage": float(point.get("coverage", 0.0))}
     else:
-        cosine = {"threshold": point["threshold"], "margin": point["margin"], "top_k": point["top_k"], **switch}
-    lines = ["# Written by `capd calibrate --write`. Gates for this tap's capabilities: [gates] for the",
-             "# anchor and capd rules, [gates.fused] for the fused rule. CAPD_THRESHOLD / CAPD_MARGIN /",
-             "# CAPD_TOP_K and flags still override them.", f'model = "{model}"', ""]
-    for header, values in (("[gates]", cosine), ("[gates.fused]", fused_gates)):
-        if values:
-            lines += [header, *(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()),
-                      ""]
-    atomic.write_text(path, "\n".join(lines))
+        own, other = ("gates",), ("gates", "fused")
+        values = {"threshold": float(point["threshold"]), "margin": float(point["margin"]),
+                  "top_k": int(point["top_k"])}
+    stale = other if old.get("model") not in (None, model) else None
+    new, expected = _edit_gates(path, text, old, model, own, values, bool(point.get(SWITCH)), stale)
+    try:
+        reread: dict[str, Any] | None = tomllib.loads(new.removeprefix("\ufeff"))
+    except tomllib.TOMLDecodeError:
+        reread = None
+    if reread is None or not toml_edit.same(reread, expected):
+        raise TapFileError(path, "capd cannot update it in place without changing what else it says; write the "
+                                 "gates as [gates] and [gates.fused] tables with one `key = value` line per gate, "
+                                 "then calibrate again")
+    atomic.write_text(path, new)
     return path
+
+
+_NEW_FILE = ("# Written by `capd calibrate --write`. Gates for this tap's capabilities: [gates] for the\n"
+             "# anchor and capd rules, [gates.fused] for the fused rule. CAPD_THRESHOLD / CAPD_MARGIN /\n"
+             "# CAPD_TOP_K and flags still override them.\n")
+_GATE_KEYS = (*GATE_KEYS, "coverage", SWITCH)  # what a stale table loses
+
+
+def _edit_gates(path: Path, text: str, old: dict[str, Any], model: str, own: KeyPath,
+                values: dict[str, float | int | bool], switch: bool,
+                stale: KeyPath | None) -> tuple[str, dict[str, Any]]:
+    """The edited text, and what it must parse to."""
+    bom = "\ufeff" if text.startswith("\ufeff") else ""
+    edit = _editor(path, text.removeprefix(bom), (own, stale) if stale else (own,))
+    if switch or edit.find((*own, SWITCH)) is not None:  # an abstain_corpus line is never removed
+        values = {**values, SWITCH: switch}
+    found = edit.find(("model",))
+    if found is not None:
+        edit.set_value(found, model)
+    else:
+        edit.add_top_level("model", model)
+    missing: dict[str, float | int | bool] = {}
+    for key, value in values.items():
+        found = edit.find((*own, key))
+        if found is None or found.value is None:
+            missing[key] = value
+        elif "\n" in edit.text[found.value[0]:found.value[1]]:
+            raise TapFileError(path, f"{render_key(found.path)} runs over several lines; write its value on one "
+                                     f"line ({key} = …), then calibrate again",
+                               toml_edit.line_of(edit.text, found.start))
+        else:
+            edit.set_value(found, value)
+    if missing:
+        edit.add_keys(own, missing)
+    expected = copy.deepcopy(old)
+    expected["model"] = model
+    _table(expected, own).update(values)
+    if stale is not None:  # the other table's gates were fitted for another model: only its gate lines go
+        for s in edit.statements:
+            if s.value is not None and s.path[:-1] == stale and s.path[-1] in _GATE_KEYS:
+                edit.delete(s)
+                del _table(expected, stale)[s.path[-1]]
+    return bom + edit.result(), expected
+
+
+def _editor(path: Path, text: str, tables: tuple[KeyPath, ...]) -> toml_edit.Editor:
+    """An editor for ``text``, or why ``tables`` cannot be edited in it line by line."""
+    try:
+        edit = toml_edit.Editor(text)
+    except toml_edit.ScanError as exc:
+        raise TapFileError(path, f"capd cannot follow this file to update it in place ({exc}); write the gates as "
+                                 "[gates] and [gates.fused] tables, then calibrate again",
+                           toml_edit.line_of(text, exc.offset)) from None
+    blocking = edit.blocking(tables)
+    if blocking is not None:
+        reason = (f"[[{render_key(blocking.table)}]] is an array of tables" if blocking.array else
+                  f"`{render_key(blocking.path)} = …` holds the gates in one value")
+        raise TapFileError(path, f"{reason}, which capd cannot update in place; write the gates as [gates] and "
+                                 "[gates.fused] tables with one `key = value` line per gate, then calibrate again",
+                           toml_edit.line_of(edit.text, blocking.start))
+    return edit
+
+
+def _table(data: dict[str, Any], path: KeyPath) -> dict[str, Any]:
+    for part in path:
+        data = data.setdefault(part, {})
+    return data

@@ -30,6 +30,14 @@ records *message → Y*, so the agent's last word wins); turns that
 were ``skipped`` (too short) are passed over; a turn that routed to X itself means there is
 nothing to learn; the recent turns are kept in memory, so a restart forgets them (not the
 learned entries). A data directory that cannot be written keeps learned entries in memory.
+
+Other processes write the file too: ``capd learned forget``, and a second daemon sharing the data
+directory (another port or socket). A daemon notices their commits within
+:data:`capd.api.LEARNED_CHECK_INTERVAL` seconds by :meth:`LearnedStore.version` (SQLite's
+``PRAGMA data_version``, which changes only for other connections' commits) and routes with the
+entries as they now are. A store kept in memory has no other writers: with a read-only data
+directory the file's entries are copied in once, at the start (nobody here can change the file;
+whoever can is seen at the next start), and corrections learned meanwhile live only in that copy.
 """
 
 from __future__ import annotations
@@ -97,6 +105,9 @@ class LearnedStore:
         self.path = path
         self.limit = limit  # corrections of one kind kept per capability (the latest)
         self.error: str | None = None
+        self.persistent = False  # the file is in use (not an in-memory store)
+        self._closed = False
+        self._unreadable = False  # version() failed and said so: quiet until it works again
         self._lock = threading.Lock()
         self._conn = self._connect(path)
 
@@ -115,6 +126,7 @@ class LearnedStore:
                     # a store from before abstains were learned: its entries are triggers
                     conn.execute("ALTER TABLE learned ADD COLUMN kind TEXT NOT NULL DEFAULT 'trigger'")
                 conn.commit()
+                self.persistent = True
                 return conn
             except (OSError, sqlite3.Error) as exc:
                 self.error = f"cannot store learned examples in {path}: {exc}; keeping them in memory"
@@ -199,8 +211,32 @@ class LearnedStore:
             out.setdefault(entry.capability, []).append(entry.message)
         return {name: tuple(messages) for name, messages in out.items()}
 
+    def version(self) -> int | None:
+        """The file's ``PRAGMA data_version``: it changes when another connection commits to it
+        (``capd learned forget``, another daemon on this data directory), never for this store's
+        own writes. A few microseconds. None when the store is in memory (no other writer), closed,
+        or the file cannot be read (logged once, until it can be again)."""
+        if not self.persistent:
+            return None
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+            except sqlite3.Error as exc:
+                if not self._unreadable:
+                    log.error("cannot check %s for learned examples changed by another process: %s; "
+                              "routing keeps the ones it has", self.path, exc)
+                self._unreadable = True
+                return None
+            if self._unreadable:
+                log.warning("%s can be checked again for learned examples changed by another process", self.path)
+                self._unreadable = False
+            return version
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._conn.close()
 
 

@@ -112,6 +112,10 @@ class Service:
         self.learned: LearnedStore | None = None
         self.corrections = Corrections()
         self._learn_timer: threading.Timer | None = None
+        # what the served snapshot was built from: the learned file's data_version when it was read,
+        # and the learned (triggers, abstains) read then (refresh_learned compares against both)
+        self._learned_version: int | None = None
+        self._learned_in_use: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]] = ({}, {})
         self.metrics = Metrics()
         self.counters = Counters()
         self._encoder_override = encoder
@@ -263,12 +267,14 @@ class Service:
         """Index ``catalog``'s examples for the rule and swap in a router for it (under the lock)."""
         assert self.embedder is not None and self.index is not None and self.encoder is not None
         rule = self.settings.rule
-        examples = example_catalog(catalog, rule, self._learned_examples(catalog))
+        # the version before the entries: a commit made while they are read is seen at the next check
+        version = self.learned.version() if self.learned is not None else None
+        learned, refused = self._learned_in_effect(catalog)
+        examples = example_catalog(catalog, rule, learned)
         with self.embedder.keeping_tokens(TOKEN_BUDGET if rule == "fused" else 0) as fresh:  # one pass for both
             report = self.index.sync(examples, self.embedder)
         self.counters.embedded += report.embedded
         self.counters.cached += report.cached
-        refused = self._learned_examples(catalog, "abstain") if rule != "anchor" else {}
         embedder = self.embedder
 
         def vectors_of(texts: list[str]) -> Vectors:  # through the vector cache
@@ -284,6 +290,7 @@ class Service:
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
                         min_chars=self.settings.min_chars, head=head, vetoes=vetoes)
         self._snapshot = Snapshot(catalog, router)
+        self._learned_version, self._learned_in_use = version, (learned, refused)
         return report
 
     def _fitting_threads(self) -> AbstractContextManager[object]:
@@ -436,6 +443,33 @@ class Service:
                 return 0
             self._publish(snapshot.catalog)
             return sum(len(v) for kind in KINDS for v in self._learned_examples(snapshot.catalog, kind).values())
+
+    def refresh_learned(self) -> bool:
+        """Route with the learned examples as another process left them in ``learned.sqlite3``
+        (``capd learned forget``, a second daemon on this data directory); the daemon calls this
+        every few seconds (capd/api.py). A few microseconds when the file has not changed since the
+        served snapshot read it; its own corrections never count as a change. True when it re-published."""
+        if self.learned is None or self._snapshot is None or self._closed:
+            return False
+        version = self.learned.version()  # None in memory: nothing else writes there
+        if version is None or version == self._learned_version:
+            return False
+        with self._lock:
+            snapshot = self._snapshot
+            if snapshot is None or self._closed or version == self._learned_version:
+                return False
+            self._learned_version = version  # tried once per change: a failing publish is not retried every tick
+            if self._learned_in_effect(snapshot.catalog) == self._learned_in_use:
+                return False  # e.g. another daemon's corrections for a tap this one does not serve
+            log.info("learned examples changed in %s by another process: routing with them", self.learned.path)
+            self._publish(snapshot.catalog)
+            return True
+
+    def _learned_in_effect(self, catalog: Catalog) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        """The learned triggers and abstains that routing ``catalog`` uses (none under ``anchor``)."""
+        if self.settings.rule == "anchor":
+            return {}, {}
+        return self._learned_examples(catalog), self._learned_examples(catalog, "abstain")
 
     def _fused_head(self, fresh: Mapping[str, Vectors] | None = None) -> FusedHead:
         """The fused rule's head for the index as it now stands (cached in the data directory);

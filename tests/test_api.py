@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from capd.api import create_app
+import capd.api
+from capd.api import create_app, upkeep
+from capd.service import Service
 from capd.settings import Settings
 from tests.conftest import GatedEncoder, isolated_data_dir
 from tests.taputil import octomind_tap
@@ -226,3 +230,38 @@ def test_docs_page_works_offline_and_lists_every_endpoint(api: TestClient) -> No
         assert all(f">{m.upper()}<" in page for m in methods)
     assert "id='RouteBody'" in page and "<code>message</code>" in page
     assert api.get("/redoc").status_code == 404
+
+
+def test_upkeep_checks_learning_often_sessions_each_minute_and_survives_a_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon's periodic loop: the learned-file check on its short period, session upkeep on
+    its own (here both shortened 20-fold-plus); a check that raises is logged and the loop goes on."""
+    monkeypatch.setattr(capd.api, "LEARNED_CHECK_INTERVAL", 0.02)
+    monkeypatch.setattr(capd.api, "UPKEEP_INTERVAL", 0.3)
+    settings = Settings(data_dir=tmp_path / "d", model="hash", taps=(octomind_tap(tmp_path / "tap"),))
+    with closing(Service(settings, sessions=True).start()) as service:
+        assert service.registry is not None
+        calls = {"refresh": 0, "expire": 0}
+        refresh, expire = service.refresh_learned, service.registry.expire
+
+        def failing_once() -> bool:
+            calls["refresh"] += 1
+            if calls["refresh"] == 1:
+                raise RuntimeError("a bug in a learning pass")
+            return refresh()
+
+        def counted() -> list[str]:
+            calls["expire"] += 1
+            return expire()
+
+        monkeypatch.setattr(service, "refresh_learned", failing_once)
+        monkeypatch.setattr(service.registry, "expire", counted)
+        stop = threading.Event()
+        loop = threading.Thread(target=upkeep, args=(service, stop))
+        with caplog.at_level(logging.ERROR, logger="capd.api"):
+            loop.start()
+            time.sleep(0.7)
+            stop.set()
+            loop.join(5)
+    assert not loop.is_alive() and "a bug in a learning pass" in caplog.text
+    assert calls["refresh"] >= 10 and 1 <= calls["expire"] <= 3, calls

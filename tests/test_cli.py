@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,7 @@ import pytest
 import uvicorn
 from click.testing import CliRunner, Result
 
-from capd.api import create_app
+from capd.api import LEARNED_CHECK_INTERVAL, create_app
 from capd.cli import main
 from capd.client import CapdClient
 from capd.encoder import Encoder
@@ -26,7 +28,7 @@ from capd.errors import ClientError, InvalidSessionId, UnknownCapability, Unknow
 from capd.learned import LearnedStore
 from capd.settings import Settings
 from tests.conftest import GatedEncoder
-from tests.taputil import octomind_tap
+from tests.taputil import octomind_tap, write_capability
 
 Serve = Callable[..., int]
 
@@ -147,6 +149,28 @@ def test_route_discover_and_forget_reach_the_daemon_given_by_flags(serve: Serve,
     assert json.loads(forgot.stdout) == {"forgotten": 1, "daemon_reloaded": True}
 
 
+def test_a_forget_reaches_every_daemon_on_the_data_directory_within_seconds(serve: Serve, tmp_path: Path) -> None:
+    """`capd learned forget` reloads the daemon at the address it is given. Another daemon sharing the
+    data directory (another port) used to route with the forgotten correction until it restarted."""
+    tap, data, message = octomind_tap(tmp_path / "tap"), tmp_path / "shared", "something the tap cannot place at all"
+    with closing(LearnedStore.open(data)) as store:
+        store.record(str(tap), "filesystem-read", message, "abstain", "s")
+    told, other = (serve(taps=(tap,), data_dir=data, rule="capd") for _ in range(2))
+
+    def decision(port: int) -> str:
+        routed: str = httpx.post(f"http://127.0.0.1:{port}/v1/route", json={"message": message}).json()["decision"]
+        return routed
+
+    assert decision(told) == decision(other) == "activate"
+    forgot = _capd("learned", "forget", "filesystem-read", "--data-dir", str(data), "--port", str(told), "--json")
+    started = time.monotonic()
+    assert json.loads(forgot.stdout) == {"forgotten": 1, "daemon_reloaded": True}, forgot.output
+    assert decision(told) == "abstain"  # at once
+    while decision(other) != "abstain":  # by its own check of the file, at most LEARNED_CHECK_INTERVAL later
+        assert time.monotonic() - started < LEARNED_CHECK_INTERVAL + 1.0, "the other daemon still routes with it"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("limit", ["0", "-3", "1000"])
 def test_discover_limit_is_1_to_100_in_process_too(tmp_path: Path, limit: str) -> None:
     result = _capd("discover", "look at the postgres schema", "--tap", str(octomind_tap(tmp_path)),
@@ -229,3 +253,46 @@ def test_whitespace_only_intent_finds_nothing_in_process(tmp_path: Path) -> None
                    "--data-dir", str(tmp_path / "d"), "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"candidates": []}
+
+
+# -- capd index with a data directory that cannot be written ------------------------------------------------
+
+def test_index_that_stored_nothing_says_so_first_and_fails(tmp_path: Path) -> None:
+    """It used to print "N vectors stored" (from the in-memory cache), warn afterwards that nothing
+    was kept, and exit 0. A file where the data directory should be refuses writes even to root."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("the data directory cannot be created under a file")
+    args = ["index", "--tap", str(octomind_tap(tmp_path / "tap")), "--model", "hash", "--data-dir", str(blocker / "d")]
+    result = _capd(*args)
+    assert result.exit_code == 1, result.output
+    assert "nothing was stored" in result.stderr and "make the data directory writable" in result.stderr
+    assert result.output.index("nothing was stored") < result.output.index("capabilities")  # said first
+    assert result.stdout.startswith("nothing stored:") and "vectors stored" not in result.stdout
+    as_json = _capd(*args, "--json")
+    assert as_json.exit_code == 1, as_json.output
+    report = json.loads(as_json.stdout)
+    assert (report["persistent"], report["stored"], report["unstored"]) == (False, 0, report["triggers"])
+    assert report["triggers"] > 0 and report["embedded"] == report["triggers"]
+
+
+def test_index_that_could_not_write_some_vectors_fails(tmp_path: Path) -> None:
+    """A cache file that cannot be written (here immutable: chmod does not stop root) in a directory
+    that can: the vectors a new capability needs are embedded, not stored, and said so."""
+    tap, data = octomind_tap(tmp_path / "tap"), tmp_path / "data"
+    args = ["index", "--tap", str(tap), "--model", "hash", "--data-dir", str(data)]
+    first = _capd(*args)
+    assert first.exit_code == 0 and "vectors stored" in first.stdout and not first.stderr, first.output
+    write_capability(tap, "weather", ["what is the weather like tomorrow", "will it rain in Oslo today"])
+    cache = data / "vectors.sqlite3"
+    frozen = subprocess.run(["chattr", "+i", str(cache)], capture_output=True, check=False).returncode == 0
+    try:
+        if not frozen:
+            pytest.skip("cannot make the cache file immutable here (no chattr, or not allowed)")
+        result = _capd(*args, "--json")
+    finally:
+        subprocess.run(["chattr", "-i", str(cache)], capture_output=True, check=False)
+    assert result.exit_code == 1, result.output
+    assert "2 of the" in result.stderr and "could not be written" in result.stderr
+    report = json.loads(result.stdout)
+    assert (report["persistent"], report["embedded"], report["unstored"]) == (True, 2, 2)
+    assert report["stored"] == report["triggers"] - 2

@@ -17,6 +17,7 @@ from capd import fused as fused_module
 from capd.calibrate import FUSED_GRID, calibrate, split, write_gates
 from capd.catalog import Capability
 from capd.encoder import Encoder, HashEncoder, TokenVectors, Vectors
+from capd.errors import TapFileError
 from capd.evaluation import evaluate, score_table
 from capd.fixtures import load_fixtures
 from capd.fused import ExampleTokens, FusedHead, Lexicon, fit_head, in_class_similarity, words
@@ -369,7 +370,142 @@ def test_calibrate_fused_and_write_keeps_the_other_rules_gates(fused_core: Servi
     assert config.gates_for("fused") == fused_gates
     assert config.gates_for("capd")["threshold"] == 0.4
     write_gates(tap, point, "all-minilm-l6-v2", "fused")
-    assert "abstain_corpus" not in tomllib.loads((tap / "capd.toml").read_text())["gates"]["fused"]
+    assert tomllib.loads((tap / "capd.toml").read_text())["gates"]["fused"]["abstain_corpus"] is False  # not removed
+
+
+MODEL = "all-minilm-l6-v2"
+CAPD_POINT = {"threshold": 0.47, "margin": 0.05, "top_k": 2, "coverage": 0.0, "abstain_corpus": False}
+FUSED_POINT = {"threshold": -0.3, "margin": 1.8, "top_k": 3, "coverage": 0.4, "abstain_corpus": False}
+HAND_EDITED = """\
+# Written by `capd calibrate --write`.
+model = "all-minilm-l6-v2"
+owner = "platform team"   # not a gate: capd keeps it
+
+[gates]
+# raised after adding k8s
+threshold = 0.5  # note
+margin=0.03
+
+[gates.fused]
+# fitted on taps/core/calibration
+threshold = -0.37
+margin = 1.0
+coverage = 0.42
+
+[notes]
+why = "fitted on 2024 traffic"
+"""
+
+
+def _tap_file(tmp_path: Path, text: str) -> Path:
+    tap = tmp_path / "tap"
+    tap.mkdir()
+    (tap / "capd.toml").write_bytes(text.encode())
+    return tap
+
+
+def test_write_gates_updates_the_file_in_place(tmp_path: Path) -> None:
+    """Values are replaced where they stand (a trailing comment stays), a missing key follows the
+    table's last key line; comments, blank lines, other keys and the other rule's table stay as
+    they were. It used to re-render the file: the comments, `owner` and `[notes]` were lost."""
+    tap = _tap_file(tmp_path, HAND_EDITED)
+    write_gates(tap, CAPD_POINT, MODEL, "capd")
+    capd_written = HAND_EDITED.replace("threshold = 0.5  # note\nmargin=0.03\n",
+                                       "threshold = 0.47  # note\nmargin=0.05\ntop_k = 2\n")
+    assert (tap / "capd.toml").read_text() == capd_written
+    write_gates(tap, FUSED_POINT, MODEL, "fused")
+    assert (tap / "capd.toml").read_text() == capd_written.replace(
+        "threshold = -0.37\nmargin = 1.0\ncoverage = 0.42\n", "threshold = -0.3\nmargin = 1.8\ncoverage = 0.4\n")
+    config, problems = load_tap_config(tap)
+    assert not problems and config is not None
+    assert config.gates_for("capd") == {"threshold": 0.47, "margin": 0.05, "top_k": 2.0}
+    assert config.gates_for("fused") == {"threshold": -0.3, "margin": 1.8, "coverage": 0.4}
+
+
+def test_write_gates_for_another_model_drops_only_the_other_tables_gate_lines(tmp_path: Path) -> None:
+    tap = _tap_file(tmp_path, HAND_EDITED.replace("coverage = 0.42\n", "coverage = 0.42\nabstain_corpus = true\n"))
+    write_gates(tap, CAPD_POINT, "bge-small-en", "capd")
+    assert (tap / "capd.toml").read_text() == HAND_EDITED.replace('"all-minilm-l6-v2"', '"bge-small-en"').replace(
+        "threshold = 0.5  # note\nmargin=0.03\n", "threshold = 0.47  # note\nmargin=0.05\ntop_k = 2\n").replace(
+        "threshold = -0.37\nmargin = 1.0\ncoverage = 0.42\n", "")
+    write_gates(tap, FUSED_POINT, MODEL, "fused")  # and back: [gates] keeps its comment, loses its gates
+    assert (tap / "capd.toml").read_text() == HAND_EDITED.replace(
+        "threshold = 0.5  # note\nmargin=0.03\n", "").replace(
+        "threshold = -0.37\nmargin = 1.0\ncoverage = 0.42\n", "").replace(
+        "# fitted on taps/core/calibration\n",
+        "# fitted on taps/core/calibration\nthreshold = -0.3\nmargin = 1.8\ncoverage = 0.4\n")
+
+
+def test_write_gates_sets_abstain_corpus_but_never_removes_it(tmp_path: Path) -> None:
+    tap = _tap_file(tmp_path, f'model = "{MODEL}"\n[gates.fused]\nabstain_corpus = true  # kept\nthreshold = 0\n')
+    write_gates(tap, FUSED_POINT, MODEL, "fused")
+    assert (tap / "capd.toml").read_text() == (f'model = "{MODEL}"\n[gates.fused]\nabstain_corpus = false  # kept\n'
+                                               "threshold = -0.3\nmargin = 1.8\ncoverage = 0.4\n")
+    write_gates(tap, {**FUSED_POINT, "abstain_corpus": True}, MODEL, "fused")
+    assert "abstain_corpus = true  # kept\n" in (tap / "capd.toml").read_text()
+    write_gates(tap, CAPD_POINT, MODEL, "capd")  # absent from [gates] and not chosen: not added
+    assert "abstain_corpus" not in tomllib.loads((tap / "capd.toml").read_text())["gates"]
+    write_gates(tap, {**CAPD_POINT, "abstain_corpus": True}, MODEL, "capd")
+    assert (tap / "capd.toml").read_text().endswith("[gates]\nthreshold = 0.47\nmargin = 0.05\ntop_k = 2\n"
+                                                    "abstain_corpus = true\n")
+
+
+def test_write_gates_adds_a_missing_table_and_model(tmp_path: Path) -> None:
+    """A missing table goes at the end; a missing model before the first table and the comment
+    that describes it."""
+    tap = _tap_file(tmp_path, "# tuned by hand\n\n# the capd rule's gates\n[gates]\nthreshold = 0.5")
+    write_gates(tap, FUSED_POINT, MODEL, "fused")
+    assert (tap / "capd.toml").read_text() == (
+        f'# tuned by hand\n\nmodel = "{MODEL}"\n\n# the capd rule\'s gates\n[gates]\nthreshold = 0.5\n\n'
+        "[gates.fused]\nthreshold = -0.3\nmargin = 1.8\ncoverage = 0.4\n")
+
+
+def test_write_gates_writes_a_new_file_with_its_header(tmp_path: Path) -> None:
+    tap = tmp_path / "tap"
+    tap.mkdir()
+    write_gates(tap, {**CAPD_POINT, "abstain_corpus": True}, MODEL, "capd")
+    assert (tap / "capd.toml").read_text() == (
+        "# Written by `capd calibrate --write`. Gates for this tap's capabilities: [gates] for the\n"
+        "# anchor and capd rules, [gates.fused] for the fused rule. CAPD_THRESHOLD / CAPD_MARGIN /\n"
+        f'# CAPD_TOP_K and flags still override them.\nmodel = "{MODEL}"\n\n'
+        "[gates]\nthreshold = 0.47\nmargin = 0.05\ntop_k = 2\nabstain_corpus = true\n")
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    # [gates.fused] before [gates]; blanks around `=` and the dots; quoted keys
+    ('[ gates . "fused" ]\n"threshold"   =   -0.2\n[gates]\ntop_k=1\n',
+     f'model = "{MODEL}"\n\n[ gates . "fused" ]\n"threshold"   =   -0.3\nmargin = 1.8\ncoverage = 0.4\n'
+     "[gates]\ntop_k=1\n"),
+    # the fused table as dotted keys under [gates]: new keys take the same form
+    (f'model = "{MODEL}"  # pinned\n[gates]\nfused.threshold = -0.2\nfused . margin = 1.5 # hand-tuned\ntop_k = 1\n',
+     f'model = "{MODEL}"  # pinned\n[gates]\nfused.threshold = -0.3\nfused . margin = 1.8 # hand-tuned\n'
+     "fused.coverage = 0.4\ntop_k = 1\n"),
+    # CRLF line ends and a byte order mark stay
+    ('\ufeff[gates.fused]\r\nthreshold = 0\r\n', f'\ufeffmodel = "{MODEL}"\r\n\r\n[gates.fused]\r\nthreshold = -0.3\r\n'
+     "margin = 1.8\r\ncoverage = 0.4\r\n"),
+])
+def test_write_gates_edits_the_shapes_people_write(tmp_path: Path, before: str, after: str) -> None:
+    tap = _tap_file(tmp_path, before)
+    write_gates(tap, FUSED_POINT, MODEL, "fused")
+    assert (tap / "capd.toml").read_bytes().decode() == after
+
+
+@pytest.mark.parametrize(("text", "rule", "reason"), [
+    ("[gates\nthreshold = 0.5\n", "capd", "cannot update it (Expected ']'"),  # does not parse
+    ('gates = { threshold = 0.5, top_k = 2 }\n', "capd", "line 1: `gates = …` holds the gates in one value"),
+    ("[gates]\nthreshold = 0.5\nfused = { threshold = -0.3 }\n", "fused", "line 3: `gates.fused = …` holds"),
+    ('model = "other"\n[gates]\nfused = { threshold = -0.3 }\n', "capd", "`gates.fused = …` holds"),  # stale
+    ("[[gates]]\nthreshold = 0.5\n", "capd", "line 1: [[gates]] is an array of tables"),
+    ("[gates]\nthreshold = [\n  0.5,\n]\n", "capd", "line 2: gates.threshold runs over several lines"),
+    ("[gates.threshold]\nvalue = 0.5\n", "capd", "cannot update it in place without changing what else it says"),
+])
+def test_write_gates_leaves_a_file_it_cannot_edit_alone(tmp_path: Path, text: str, rule: str, reason: str) -> None:
+    tap = _tap_file(tmp_path, text)
+    with pytest.raises(TapFileError) as caught:
+        write_gates(tap, {**CAPD_POINT, "coverage": 0.4}, MODEL, rule)
+    assert reason in str(caught.value) and "then calibrate again" in str(caught.value)
+    assert (tap / "capd.toml").read_bytes() == text.encode()
+    assert [p.name for p in tap.iterdir()] == ["capd.toml"]  # no temporary file left behind
 
 
 def test_the_abstain_corpus_vetoes_where_a_taps_gates_turn_it_on(model_settings: Settings, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import tomllib
 from collections.abc import Iterator
@@ -104,12 +105,9 @@ def test_unusable_data_dir_keeps_learning_in_memory(tmp_path: Path) -> None:
     assert blocker.read_text().startswith("a file")  # nothing a user wrote is modified
 
 
-def test_a_file_that_cannot_be_written_still_lends_its_corrections(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read-only data directory (refused here for writing only, as the suite may run as root) used
-    to hide every stored correction: "0 learned", and `forget` said it forgot 0 of 3."""
-    with closing(LearnedStore.open(tmp_path)) as store:
-        store.record(CORE, "docker", MISS)
+def _refuse_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """learned.sqlite3 refuses to be opened for writing, as in a read-only data directory (chmod does not
+    stop root, who may run the suite); opening it read-only (``mode=ro``) still works."""
     connect = sqlite3.connect
 
     def read_only(database: str | Path, *args: object, **kwargs: object) -> sqlite3.Connection:
@@ -118,6 +116,15 @@ def test_a_file_that_cannot_be_written_still_lends_its_corrections(tmp_path: Pat
         return connect(database, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr("capd.learned.sqlite3.connect", read_only)
+
+
+def test_a_file_that_cannot_be_written_still_lends_its_corrections(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only data directory (refused here for writing only, as the suite may run as root) used
+    to hide every stored correction: "0 learned", and `forget` said it forgot 0 of 3."""
+    with closing(LearnedStore.open(tmp_path)) as store:
+        store.record(CORE, "docker", MISS)
+    _refuse_writes(monkeypatch)
     store = LearnedStore.open(tmp_path)
     assert store.for_tap(CORE) == {"docker": (MISS,)}
     assert store.error is not None and "the 1 it holds are used, read-only" in store.error
@@ -272,3 +279,83 @@ def test_a_learning_pass_after_close_does_nothing(settings_factory: SettingsFact
     service.registry.activate("s", "filesystem-read", "manual")  # a correction: schedules a learning pass
     service.close()
     assert service.apply_learned() == 0
+
+
+# -- corrections changed by another process (capd learned forget, a second daemon) --------------------------
+
+PLACELESS = "something the tap cannot place at all"  # abstains on the octomind tap (hash model)
+
+
+def _decision(service: Service, message: str = PLACELESS) -> tuple[str, str | None]:
+    decision = service.route(message).decision
+    return decision.decision, decision.capability if decision.decision == "activate" else None
+
+
+def test_a_daemon_routes_with_corrections_another_process_changed(settings_factory: SettingsFactory,
+                                                                  tmp_path: Path) -> None:
+    """Two daemons on one data directory, and `capd learned forget` (a store of its own): each
+    daemon used to route with what the others forgot, or without what they learned, until its own
+    next learning pass or a restart."""
+    settings = settings_factory(taps=(octomind_tap(tmp_path / "tap"),), rule="capd")
+    with closing(Service(settings, sessions=True, learn=True).start()) as first, \
+            closing(Service(settings, sessions=True, learn=True).start()) as second:
+        assert first.registry is not None and _decision(first) == _decision(second) == ("abstain", None)
+        first.route(PLACELESS, "s")
+        first.registry.activate("s", "filesystem-read", "manual")  # a correction, recorded by the first
+        assert not first.refresh_learned()  # its own write is no change from elsewhere: its learning pass ...
+        assert first.apply_learned() == 1 and _decision(first) == ("activate", "filesystem-read")  # ... applies it
+        assert not first.refresh_learned()
+        assert second.refresh_learned() and _decision(second) == ("activate", "filesystem-read")
+        assert not second.refresh_learned()  # nothing new since
+        with closing(LearnedStore.open(settings.data_dir)) as cli:  # what `capd learned forget` does ...
+            assert cli.forget(capability="filesystem-read") == 1
+        first.reload()  # ... then it asks the daemon at its address to reload: that one re-reads at once
+        assert not first.refresh_learned() and second.refresh_learned()
+        assert _decision(first) == _decision(second) == ("abstain", None)
+        with closing(LearnedStore.open(settings.data_dir)) as other:  # a daemon serving another tap
+            other.record(tmp_path / "another-tap", "filesystem-read", PLACELESS)
+        routers = first.router, second.router
+        assert not first.refresh_learned() and not second.refresh_learned()  # nothing they route with
+        assert first.router is routers[0] and second.router is routers[1]  # not even re-published
+
+
+def test_stores_in_memory_and_services_without_learning_check_nothing(settings_factory: SettingsFactory,
+                                                                      tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    assert LearnedStore(None).version() is None
+    with closing(Service(settings_factory(), sessions=True, learn=False).start()) as unlearned:
+        assert unlearned.learned is None and not unlearned.refresh_learned()
+    with closing(LearnedStore.open(tmp_path)) as store:
+        store.record(CORE, "docker", MISS)
+    _refuse_writes(monkeypatch)
+    copied = LearnedStore.open(tmp_path)  # the file's entries, copied once into memory
+    monkeypatch.undo()
+    with closing(LearnedStore.open(tmp_path)) as writer:  # whoever can write the file
+        writer.forget()
+    assert copied.version() is None and copied.for_tap(CORE) == {"docker": (MISS,)}  # read at the start only
+    copied.close()
+    closed = LearnedStore.open(tmp_path)
+    closed.close()
+    assert closed.version() is None
+
+
+def test_a_file_that_cannot_be_checked_is_logged_once_and_routing_goes_on(settings_factory: SettingsFactory,
+                                                                         tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    settings = settings_factory(taps=(octomind_tap(tmp_path / "tap"),), rule="capd")
+    with closing(Service(settings, sessions=True, learn=True).start()) as service:
+        assert service.learned is not None
+        with closing(LearnedStore.open(settings.data_dir)) as other:
+            other.record(service.capability("filesystem-read").tap, "filesystem-read", PLACELESS)
+
+        def no_pragmas(action: int, *_: object) -> int:  # SQLite refuses the check: "not authorized"
+            return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_PRAGMA else sqlite3.SQLITE_OK
+
+        service.learned._conn.set_authorizer(no_pragmas)
+        with caplog.at_level(logging.WARNING, logger="capd.learned"):
+            assert not any(service.refresh_learned() for _ in range(5))
+            assert caplog.text.count("cannot check") == 1 and "not authorized" in caplog.text
+            assert _decision(service) == ("abstain", None)  # what it routed with before
+            service.learned._conn.set_authorizer(None)
+            assert service.refresh_learned() and _decision(service) == ("activate", "filesystem-read")
+            assert "can be checked again" in caplog.text

@@ -5,13 +5,16 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from capd.cli.common import EXIT_ERROR, build_settings, emit_json, settings_options, stderr
 from capd.errors import ModelError
 from capd.models import ModelManifest, availability, load_manifests, manifest_for, resolve
+
+if TYPE_CHECKING:
+    from capd.vectorcache import VectorCache
 
 
 class _Bar:
@@ -43,6 +46,10 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
           backend: str | None, prune: bool, as_json: bool) -> None:
     """Embed the triggers the configured taps need (only what the cache lacks) and print counts.
 
+    Storing their vectors is this command's only job, so it exits 1 when any of them is not in the
+    vector cache afterwards (a data directory that cannot be written keeps nothing; a full disk
+    some), saying so first, as it does when a tap has errors.
+
     Example: capd index --tap taps/core --prune
     """
     from capd.encoder import open_encoder
@@ -61,29 +68,54 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
         bar.close()
         wanted = {text_hash(t) for capability in catalog for t in capability.triggers}
         pruned = cache.prune(encoder.model_id, wanted) if prune else 0
-        stored = cache.counts().get(encoder.model_id, 0)
+        unstored = _unstored(cache, encoder.model_id, wanted)
+        stored = cache.counts().get(encoder.model_id, 0) if cache.persistent else 0  # not what memory holds
     finally:
         bar.close()
         cache.close()
     result = {
         "model": settings.model, "model_id": encoder.model_id, "taps": [str(t) for t in catalog.taps],
         "capabilities": len(catalog), "triggers": catalog.trigger_count, "embedded": report.embedded,
-        "cached": report.cached, "pruned": pruned, "stored": stored,
+        "cached": report.cached, "pruned": pruned, "stored": stored, "unstored": unstored,
         "cache": str(cache.path) if cache.path else None, "persistent": cache.persistent,
         "seconds": round(time.perf_counter() - started, 3), "errors": [p.as_dict() for p in catalog.errors],
     }
+    if not cache.persistent:
+        stderr(f"capd: error: nothing was stored: the vector cache in {settings.data_dir} cannot be written "
+               f"(the {report.embedded} vectors embedded were kept in memory for this run only); make the data "
+               "directory writable and run capd index again")
+    elif unstored:
+        stderr(f"capd: error: {unstored} of the {len(wanted)} trigger vectors the taps need could not be written "
+               f"to {cache.path}; they will be embedded again until capd index stores them")
     if as_json:
         emit_json(result)
     else:
         for problem in catalog.errors:
             stderr(str(problem))
+        sizes = f"{len(catalog)} capabilities, {catalog.trigger_count} triggers"
         if not cache.persistent:
-            stderr("capd: warning: the data directory is not writable; nothing was kept")
-        click.echo(f"embedded {report.embedded}, cached {report.cached}, pruned {pruned}: "
-                   f"{len(catalog)} capabilities, {catalog.trigger_count} triggers, {stored} vectors stored "
-                   f"for {encoder.model_id} ({result['seconds']:.1f} s)")
-    if catalog.errors:
+            click.echo(f"nothing stored: {sizes}, embedded {report.embedded} in memory only for "
+                       f"{encoder.model_id} ({result['seconds']:.1f} s)")
+        else:
+            missing = f", {unstored} needed not stored" if unstored else ""
+            click.echo(f"embedded {report.embedded}, cached {report.cached}, pruned {pruned}: {sizes}, {stored} "
+                       f"vectors stored for {encoder.model_id}{missing} ({result['seconds']:.1f} s)")
+    if catalog.errors or unstored or not cache.persistent:
         raise SystemExit(EXIT_ERROR)
+
+
+def _unstored(cache: VectorCache, model_id: str, hashes: set[str]) -> int:
+    """How many of these text hashes the cache file lacks (all of them in memory). CachedEmbedder
+    logs a failed write and carries on, which suits a daemon (its next start pays for it), not a
+    command whose job is storing them; so ``capd index`` reads back what it stored."""
+    from capd.vectorcache import LOOKUP_SLICE
+
+    if not cache.persistent:
+        return len(hashes)
+    ordered = sorted(hashes)
+    found = sum(len(cache.get_many(model_id, ordered[start:start + LOOKUP_SLICE]))
+                for start in range(0, len(ordered), LOOKUP_SLICE))
+    return len(ordered) - found
 
 
 def _model_row(manifest: ModelManifest, current: str, backend: str, verify: bool, data_dir: Path) -> dict[str, Any]:

@@ -79,6 +79,9 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
            as_json: bool) -> None:
     """Forget learned examples of CAPABILITY (or --all), then ask a running daemon to reload.
 
+    The daemon at the configured address reloads at once; every daemon using this data directory
+    (another port or socket too) routes without them within about 2 seconds anyway.
+
     Example: capd learned forget docker --message "the thing with the boxes is slow"
     """
     if capability is None and not everything:
