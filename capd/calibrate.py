@@ -216,8 +216,18 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
               max_wrong: float = 0.03, auto: Point | None = None, grid: Grid | None = None) -> dict[str, Any]:
     """The recommended gates, their curve and their fit / held-out metrics; with ``auto`` (the
     fused rule's auto gates, :mod:`capd.autogates`), also what those give on the held-out rows.
-    ``grid`` replaces the rule's grid (ablations: e.g. no coverage axis)."""
+    ``grid`` replaces the rule's grid (ablations: e.g. no coverage axis). Without a positive row in
+    the fit part nothing is recommended (``error`` says why): a sweep there would choose gates that
+    never fire."""
     fit_rows, held_rows = split(fixtures)
+    positives = sum(fixtures[i].positive for i in fit_rows)
+    if not positives:  # every point would tie at fired_right 0, and the tie goes to the gates that fire least
+        return {"rule": router.rule, "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
+                "rows": {"fit": len(fit_rows), "held_out": len(held_rows)}, "recommended": None,
+                "error": f"no positive row to fit on ({sum(f.positive for f in fixtures)} positive rows in all, "
+                         f"and calibration fits on about {1 - HELD_OUT_SHARE:.0%} of the rows, chosen by a hash of "
+                         "each message): add rows that expect a capability",
+                "abstain_corpus": {"without": None, "with": None}, "curve": []}
     vectors, tokens = embed_fixtures(router, fixtures)
     grid = grid or grid_for(router.rule)
     variants = score_variants(router, fixtures, vectors, tokens, grid)

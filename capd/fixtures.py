@@ -4,19 +4,24 @@
 must be there (a row without it, e.g. ``"expects"`` mistyped, would silently count as a null).
 ``kind`` is free text for per-kind breakdowns and floors; it defaults to ``positive`` or
 ``null`` from ``expect``. Other keys are refused for the same reason. A file may start with a
-UTF-8 byte order mark.
+UTF-8 byte order mark; lines end in ``\n``, ``\r\n`` or ``\r`` (not at U+2028 / U+2029 / U+0085,
+which JSON allows raw inside a string). A message must be Unicode text (no lone surrogate: no
+model can embed one).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from capd.errors import FixtureError
+from capd.text import surrogate_at
 
 KEYS = ("message", "expect", "kind")
+_LINE_END = re.compile(r"\r\n|\r|\n")  # str.splitlines would also split at U+2028 inside a JSON string
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,9 @@ def _parse_line(path: Path, number: int, line: str) -> Fixture:
     message = row.get("message")
     if not isinstance(message, str):
         raise FixtureError(path, "'message' must be a string", number)
+    if (at := surrogate_at(message)) is not None:
+        raise FixtureError(path, f"'message' has a lone surrogate at character {at} (\\u{ord(message[at]):04x}): "
+                                 "not Unicode text", number)
     expect = row.get("expect")
     if expect is None:
         names: tuple[str, ...] = ()
@@ -78,7 +86,7 @@ def load_fixtures(paths: Iterable[Path]) -> list[Fixture]:
         except UnicodeDecodeError as exc:
             where = data[: exc.start].count(b"\n") + 1
             raise FixtureError(path, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", where) from None
-        for number, line in enumerate(text.splitlines(), start=1):
+        for number, line in enumerate(_LINE_END.split(text), start=1):
             if line.strip() and not line.lstrip().startswith("#"):
                 rows.append(_parse_line(Path(path), number, line))
     if paths and not rows:

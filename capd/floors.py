@@ -52,6 +52,9 @@ def load_floors(tap: Path) -> Floors:
     maxima: dict[str, float] = {}
     kinds: dict[str, float] = {}
 
+    def line(key: str) -> int | None:  # `key = …` under [floors], or its own [floors.key] table
+        return _line_of(text, f"floors.{key}") or _line_of(text, key)
+
     def fraction(key: str, value: object) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise FixtureError(path, f"{key} must be a number between 0 and 1", _line_of(text, key.split(".")[-1]))
@@ -60,8 +63,7 @@ def load_floors(tap: Path) -> Floors:
     for key, value in floors.items():
         if key == "kinds":
             if not isinstance(value, dict):
-                raise FixtureError(path, "[floors.kinds] must be a table of kind = minimum accuracy",
-                                   _line_of(text, "kinds"))
+                raise FixtureError(path, "[floors.kinds] must be a table of kind = minimum accuracy", line("kinds"))
             kinds = {k: fraction(f"floors.kinds.{k}", v) for k, v in value.items()}
         elif key in _MINIMA:
             minima[_MINIMA[key]] = fraction(f"floors.{key}", value)
@@ -69,7 +71,7 @@ def load_floors(tap: Path) -> Floors:
             maxima[_MAXIMA[key]] = fraction(f"floors.{key}", value)
         else:
             known = ", ".join([*_MINIMA, *_MAXIMA, "kinds"])
-            raise FixtureError(path, f"floors.{key}: unknown floor (known: {known})", _line_of(text, key))
+            raise FixtureError(path, f"floors.{key}: unknown floor (known: {known})", line(key))
     return Floors(path=path, minima=minima, maxima=maxima, kinds=kinds)
 
 

@@ -233,11 +233,31 @@ def load_manifest(path: Path) -> ModelManifest:
     )
 
 
-def load_manifests(models_dir: Path) -> dict[str, ModelManifest]:
-    """Every ``*.toml`` manifest in ``models_dir``, by name (the file stem), sorted."""
+def load_manifests(models_dir: Path, broken: dict[str, ModelError] | None = None) -> dict[str, ModelManifest]:
+    """Every valid ``*.toml`` manifest in ``models_dir``, by name (the file stem), sorted. A broken
+    one is left out, so that it stops only the commands that use it (``capd models`` included:
+    the tool to diagnose it): its error goes into ``broken``, or is logged once without it."""
     if not models_dir.is_dir():
         return {}
-    return {p.stem: load_manifest(p) for p in sorted(models_dir.glob("*.toml"))}
+    manifests: dict[str, ModelManifest] = {}
+    for path in sorted(models_dir.glob("*.toml")):
+        try:
+            manifests[path.stem] = load_manifest(path)
+        except ModelError as exc:
+            if broken is not None:
+                broken[path.stem] = exc
+            else:
+                _log_broken(exc)
+    return manifests
+
+
+_BROKEN_LOGGED: set[str] = set()
+
+
+def _log_broken(exc: ModelError) -> None:
+    if str(exc) not in _BROKEN_LOGGED:  # once per process: commands resolve the manifests several times
+        _BROKEN_LOGGED.add(str(exc))
+        log.warning("model manifest left out: %s", exc)
 
 
 def _looks_like_path(model: str) -> bool:
@@ -252,7 +272,12 @@ def manifest_for(settings: Settings) -> ModelManifest:
     """
     if settings.model == HASH_MODEL:
         return HASH_MANIFEST
-    manifests = load_manifests(settings.models_dir)
+    broken: dict[str, ModelError] = {}
+    manifests = load_manifests(settings.models_dir, broken)
+    if settings.model in broken:
+        raise broken[settings.model]
+    for exc in broken.values():  # another model's manifest: not this command's concern
+        _log_broken(exc)
     if settings.model in manifests:
         return manifests[settings.model]
     if _looks_like_path(settings.model):

@@ -147,6 +147,14 @@ def _as_str(value: object) -> str:
     return value
 
 
+def _model_name(value: object) -> str:
+    """A manifest name, ``hash`` or a model directory; empty would name the working directory."""
+    name = _as_str(value).strip()
+    if not name:
+        raise ValueError("must name a model (a manifest such as all-minilm-l6-v2, hash, or a model directory)")
+    return name
+
+
 def _as_path(value: object) -> Path:
     if isinstance(value, Path):
         return value.expanduser()
@@ -227,7 +235,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "port": _port,
     "taps": _as_paths,
     "data_dir": _as_path,
-    "model": _as_str,
+    "model": _model_name,
     "models_dir": _as_path,
     "backend": _choice(BACKENDS),
     "rule": _choice(RULES),

@@ -148,19 +148,20 @@ def _parse(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
 
 def _line_of(text: str, key: str, start: int = 0, end: int | None = None) -> int | None:
     """Best-effort line of ``key = …`` or ``[key]`` (between offsets ``start`` and ``end``) so
-    schema errors point somewhere useful."""
-    pattern = re.compile(rf"^\s*(\[\[?\s*{re.escape(key)}\s*\]\]?|[\"']?{re.escape(key)}[\"']?\s*=)", re.M)
+    schema errors point somewhere useful. Only spaces and tabs may precede it on its line (any
+    whitespace would let a match start on a blank line above)."""
+    pattern = re.compile(rf"^[ \t]*(\[\[?\s*{re.escape(key)}\s*\]\]?|[\"']?{re.escape(key)}[\"']?\s*=)", re.M)
     match = pattern.search(text, start, len(text) if end is None else end)
     return text.count("\n", 0, match.start()) + 1 if match else None
 
 
 def _entry_line(text: str, array: str, index: int, key: str) -> int | None:
     """The line of ``key`` in the ``index``-th ``[[array]]`` table (its header line without the key)."""
-    headers = list(re.finditer(rf"^\s*\[\[\s*{re.escape(array)}\s*\]\]", text, re.M))
+    headers = list(re.finditer(rf"^[ \t]*\[\[\s*{re.escape(array)}\s*\]\]", text, re.M))
     if index >= len(headers):
         return _line_of(text, key)
     start = headers[index].start()
-    following = re.compile(r"^\s*\[", re.M).search(text, headers[index].end())
+    following = re.compile(r"^[ \t]*\[", re.M).search(text, headers[index].end())
     return _line_of(text, key, start, following.start() if following else None) or text.count("\n", 0, start) + 1
 
 

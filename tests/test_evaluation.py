@@ -202,6 +202,44 @@ def test_fixtures_may_start_with_a_byte_order_mark(tmp_path: Path) -> None:
     assert [f.message for f in load_fixtures([path])] == ["fine"]
 
 
+def test_fixture_lines_end_only_at_line_breaks(tmp_path: Path) -> None:
+    """JSON allows U+2028, U+2029 and U+0085 raw in a string; str.splitlines broke the row there
+    ("invalid JSON: Unterminated string") and shifted every later line number."""
+    path = tmp_path / "f.jsonl"
+    rows = ['{"message": "a\u2028docker\u2029b\u0085c", "expect": "docker"}', '{"message": "x", "expect": null}',
+            '{"message": 3, "expect": null}']
+    path.write_bytes("\r\n".join(rows).encode("utf-8"))
+    with pytest.raises(FixtureError, match="line 3: 'message' must be a string"):
+        load_fixtures([path])
+    path.write_bytes("\r".join(rows[:2]).encode("utf-8"))  # old Mac line ends still count
+    assert [f.message for f in load_fixtures([path])] == ["a\u2028docker\u2029b\u0085c", "x"]
+
+
+def test_a_fixture_message_with_a_lone_surrogate_names_its_line(tmp_path: Path) -> None:
+    """It reached the tokenizer, whose TypeError came out as a traceback without file or line."""
+    path = tmp_path / "f.jsonl"
+    path.write_text('{"message": "fine", "expect": null}\n{"message": "\\ud83d oops", "expect": null}\n')
+    with pytest.raises(FixtureError, match=r"f.jsonl: line 2: 'message' has a lone surrogate at character 0"):
+        load_fixtures([path])
+
+
+def test_calibrate_without_a_positive_to_fit_on_recommends_and_writes_nothing(
+        tmp_path: Path, settings_factory: SettingsFactory) -> None:
+    """Every point tied at fired_right 0 and the tie went to the gates that fire least: --write stored
+    threshold 1.0, which switched the tap's routing off, and the command exited 0."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text("".join(json.dumps({"message": f"my cat sleeps on the sofa, day {i}", "expect": None}) + "\n"
+                             for i in range(8)))
+    data = ["--model", "hash", "--data-dir", str(settings_factory().data_dir)]
+    result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures", str(nulls), "--write", *data])
+    assert result.exit_code == 1, result.output
+    assert "no positive row to fit on (0 positive rows in all" in result.output
+    assert not (tap / "capd.toml").exists()
+    result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures", str(nulls), "--json", *data])
+    assert result.exit_code == 1 and json.loads(result.output)["recommended"] is None
+
+
 def _tap_with_fixtures(tmp_path: Path, floors: str) -> Path:
     tap = octomind_tap(tmp_path)
     fixtures = tap / "fixtures"
@@ -237,6 +275,9 @@ def test_capd_test_pass_fail_and_junit(tmp_path: Path, model_settings: Settings)
     broken = _tap_with_fixtures(tmp_path / "broken", "[floors]\nmin_recall = 0.5\n")
     result = CliRunner().invoke(main, ["test", str(broken), *data])
     assert result.exit_code == 1 and "unknown floor" in result.output
+    table = _tap_with_fixtures(tmp_path / "table", "[floors]\nmin_top1 = 0.5\n\n[floors.capabilities]\ngit = 0.9\n")
+    result = CliRunner().invoke(main, ["test", str(table), *data])  # a table of its own: its header's line
+    assert result.exit_code == 1 and "floors.toml: line 4: floors.capabilities: unknown floor" in result.output
 
 
 def test_reports_that_cannot_be_written_are_clean_errors(tmp_path: Path, settings_factory: SettingsFactory) -> None:

@@ -215,3 +215,17 @@ def test_read_only_data_dir_still_verifies(tmp_path: Path, bundled_dir: Path) ->
     blocker.write_text("not a directory")
     assert verify_weights(bundled_dir / "model.safetensors", MINILM_SHA, blocker / "data") == MINILM_SHA
     assert not (blocker / "data").exists()
+
+
+def test_a_broken_manifest_stops_only_the_commands_that_use_it(tmp_path: Path) -> None:
+    """One unreadable manifest in the models directory used to break every command, `capd models`
+    (the tool to diagnose it) included."""
+    for manifest in shipped_models_dir().glob("*.toml"):
+        shutil.copy(manifest, tmp_path / manifest.name)
+    (tmp_path / "zz-broken.toml").write_text("this is [ not toml\n")
+    broken: dict[str, ModelError] = {}
+    assert "all-minilm-l6-v2" in load_manifests(tmp_path, broken)
+    assert list(broken) == ["zz-broken"] and "zz-broken.toml: invalid TOML" in str(broken["zz-broken"])
+    assert manifest_for(Settings(taps=(), models_dir=tmp_path)).name == "all-minilm-l6-v2"
+    with pytest.raises(ModelError, match="zz-broken.toml: invalid TOML"):  # not "neither a manifest nor …"
+        manifest_for(Settings(taps=(), models_dir=tmp_path, model="zz-broken"))

@@ -75,6 +75,8 @@ def test_coverage_gate_from_the_environment() -> None:
     ("CAPD_SESSION_TTL", "-5", "session_ttl: must be a positive number of seconds"),
     ("CAPD_SESSION_TTL", "nan", "session_ttl: must be a positive number of seconds"),
     ("CAPD_MIN_CHARS", "-1", "min_chars: must be 0 or more"),
+    ("CAPD_MODEL", "", "model: must name a model"),  # was read as the working directory
+    ("CAPD_MODEL", "  ", "model: must name a model"),
 ])
 def test_session_ttl_and_min_chars_are_checked_up_front(var: str, value: str, reason: str) -> None:
     # Refused here, not when the daemon's session registry is built (which left a running daemon

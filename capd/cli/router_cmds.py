@@ -279,7 +279,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
             click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f}{coverage} "
                        f"{p['fired_right']:>11.3f} {p['fired_wrong']:>11.3f} {p['null_fpr']:>8.3f}")
         if point is None:
-            click.echo("no gate setting meets the limits")
+            click.echo(report.get("error") or "no gate setting meets the limits")
         else:
             coverage = f", coverage {point['coverage']:.2f}" if fused else ""
             click.echo(f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, "
