@@ -14,6 +14,11 @@ Rewordings of one request sit above 0.90 ("open a pull request" / "create a pull
 0.91, "what's my credit score" / "what is my credit score": 0.99).
 Exact duplicates are ``capd lint``'s own ``shared-trigger`` error
 and are not repeated here.
+
+It always uses the untuned model, also with ``tune = true``, and says so in each warning: a
+tuned model is trained on these very triggers to pull each capability's apart from the
+others', so it would hide the near-duplicates this check exists to find (unseen messages
+still land between them), and the bound above was measured on the untuned model's scale.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ def near_duplicates(catalog: Catalog, settings: Settings) -> list[Problem]:
     items = [(capability, trigger) for capability in catalog for trigger in capability.triggers]
     if not items:
         return []
-    bound = manifest_for(settings).near_duplicate
+    manifest = manifest_for(settings)
+    bound = manifest.near_duplicate
+    model = f"{manifest.name}, untuned" if settings.tune else manifest.name
     cache = VectorCache.open(settings.data_dir)
     try:
         embedder = CachedEmbedder(open_encoder(settings), cache)
@@ -49,7 +56,7 @@ def near_duplicates(catalog: Catalog, settings: Settings) -> list[Problem]:
         (first, first_trigger), (second, second_trigger) = items[i], items[j]
         if _normal(first_trigger) == _normal(second_trigger):
             continue  # an exact duplicate: reported by the static lint as shared-trigger
-        problems.append(_problem(first, first_trigger, second, second_trigger, cosine))
+        problems.append(_problem(first, first_trigger, second, second_trigger, cosine, model))
     return problems
 
 
@@ -66,13 +73,13 @@ def _pairs(vectors: Vectors, owners: list[str], bound: float) -> Iterator[tuple[
 
 
 def _problem(first: Capability, first_trigger: str, second: Capability, second_trigger: str,
-             cosine: float) -> Problem:
+             cosine: float, model: str) -> Problem:
     other = f"{first.path / 'config.toml'}"
     line = _trigger_line(first, first_trigger)
     where = f"{other}: line {line}" if line is not None else other
     return Problem(
         "warning", str(second.path / "config.toml"),
-        f"trigger {second_trigger!r} of {second.name!r} is a near-duplicate (cosine {cosine:.3f}) of trigger "
+        f"trigger {second_trigger!r} of {second.name!r} is a near-duplicate (cosine {cosine:.3f}, {model}) of trigger "
         f"{first_trigger!r} of {first.name!r} ({where}); messages like it will sit between the two "
         "capabilities and the margin gate will abstain: reword or remove one",
         _trigger_line(second, second_trigger), second.name, "near-duplicate")

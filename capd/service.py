@@ -30,7 +30,7 @@ from capd.batching import MicroBatcher
 from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Embedded, Encoder, TokenVectors, Vectors, open_encoder
-from capd.errors import StateError, UnknownCapability
+from capd.errors import ModelError, StateError, UnknownCapability
 from capd.fused import TOKEN_BUDGET, TOP_K, FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import KINDS, Corrections, LearnedStore
@@ -52,7 +52,7 @@ from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
 from capd.text import clean_message
-from capd.tuning import RECIPE, Recipe, groups_for, is_tuned, prune, run_child, tuned_dir, tuning_key
+from capd.tuning import RECIPE, Recipe, groups_for, is_tuned, prune, run_child, set_aside, tuned_dir, tuning_key
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Tuning:
     """What ``tune = true`` is doing (shown in health as ``tuning``)."""
 
     enabled: bool = False
-    status: str = "off"  # off | untuned | tuning | ready | stale | failed
+    status: str = "off"  # off | untuned | tuning | ready | stale | failed (README, Tuning the model)
     key: str | None = None  # the tuned model in use
     wanted: str | None = None  # the key the current catalog asks for
     model: str | None = None
@@ -138,10 +138,13 @@ class Service:
         self.startup_error: str | None = None
         self.state_error: str | None = None  # why session state is not stored on disk, if it is not
         self.tuning = Tuning(enabled=settings.tune and settings.model != HASH_MODEL)
+        if self.tuning.enabled:
+            self.tuning.status = "untuned"  # until start() adopts or tunes one
         self._cache: VectorCache | None = None
         self._tune_timer: threading.Timer | None = None
         self._tune_thread: threading.Thread | None = None
         self._tune_child: list[subprocess.Popen[bytes]] = []
+        self._tuning_now: str | None = None  # the key a tuning run in this process is training
         self._closed = False
         self.tune_recipe: Recipe = RECIPE  # tests use a shorter one
 
@@ -247,6 +250,7 @@ class Service:
             report = self._publish(catalog)
             self.counters.reloads += 1
             if self.tuning.enabled and self.ready_after is not None and self._want_sessions:
+                self._note_wanted(catalog)
                 self._schedule_tuning()
         for problem in catalog.errors:
             log.error("tap error: %s", problem)
@@ -316,11 +320,39 @@ class Service:
         return tuning_key(base.weights_sha256, groups, self.tune_recipe), groups, base.directory
 
     def _adopt_cached_tuning(self, catalog: Catalog) -> None:
-        """Before the first publish: switch to the tuned model for ``catalog`` if it is cached."""
+        """Before the first publish: switch to the tuned model for ``catalog`` if it is cached
+        (one that does not load is set aside, so that start() tunes it again)."""
         key, _, _ = self._tuning_target(catalog)
         path = tuned_dir(self.settings.data_dir, key)
-        if is_tuned(path):
-            self._switch_encoder(path, key)
+        if is_tuned(path) and not self._switch_encoder(path, key):
+            set_aside(path, self.tuning.error or "it does not load")
+
+    def tuned_model(self, catalog: Catalog) -> Path:
+        """The tuned model's directory for ``catalog``, tuned now (blocking) unless cached: for
+        commands that embed without starting a service (``capd index``). Raises ModelError."""
+        key, groups, base = self._tuning_target(catalog)
+        path = tuned_dir(self.settings.data_dir, key)
+        if not is_tuned(path):
+            if len(groups) < 2:
+                raise ModelError("nothing to tune on: fewer than two capabilities with two or more examples")
+            run_child(base, groups, path, self.tune_recipe)
+        return path
+
+    def _note_wanted(self, catalog: Catalog) -> None:
+        """A reload in the daemon: record the key the new catalog asks for, and say ``stale``
+        while the model in use (or being tuned) is for another one (a retune is scheduled)."""
+        try:
+            wanted, _, _ = self._tuning_target(catalog)
+        except Exception as exc:  # the base model vanished: the retune reports it
+            log.warning("cannot compute the tuning key of the new catalog: %s", exc)
+            return
+        self.tuning.wanted = wanted
+        if wanted == self.tuning.key:
+            self.tuning.status = "ready"
+        elif wanted == self._tuning_now:
+            self.tuning.status = "tuning"
+        elif self.tuning.key is not None or self._tuning_now is not None:
+            self.tuning.status = "stale"
 
     def _ensure_tuned(self, background: bool) -> None:
         """Route with the tuned model for the current catalog: reuse it if it exists, else tune
@@ -332,8 +364,10 @@ class Service:
             return
         path = tuned_dir(self.settings.data_dir, key)
         if is_tuned(path):
-            self._use_tuned(path, key)
-            return
+            if self._use_tuned(path, key) or self._closed:
+                return
+            if set_aside(path, self.tuning.error or "it does not load") is None:
+                return  # stays failed: tuning again would publish next to the damaged copy
         if len(groups) < 2:
             self.tuning.status = "untuned" if self.tuning.key is None else "stale"
             self.tuning.error = "nothing to tune on: fewer than two capabilities with two or more examples"
@@ -349,7 +383,8 @@ class Service:
         self._tune_thread.start()
 
     def _tune(self, base: Path, groups: list[tuple[str, list[str]]], path: Path, key: str) -> None:
-        self.tuning.status = "tuning"
+        self._tuning_now = key
+        self.tuning.status = "tuning" if key == self.tuning.wanted else "stale"
         log.info("tuning the model on %d capabilities (%d examples) into %s", len(groups),
                  sum(len(t) for _, t in groups), path)
         try:
@@ -358,14 +393,23 @@ class Service:
             self.tuning.status, self.tuning.error = "failed", str(exc)
             log.error("%s", exc)
             return
+        finally:
+            self._tuning_now = None
         self.tuning.seconds = summary.get("seconds")
-        if not self._closed:
-            self._use_tuned(path, key)
+        if self._closed:
+            return
+        if key != self.tuning.wanted:  # a tap changed while it ran: loading it = an export and a re-embed for nothing
+            log.info("the tuned model %s is no longer wanted (the taps changed meanwhile); not loading it", path)
+            self.tuning.status = "stale" if self.tuning.key is not None else "untuned"
+            return
+        self._use_tuned(path, key)
 
     def _tune_in_background(self, base: Path, groups: list[tuple[str, list[str]]], path: Path, key: str) -> None:
         self._tune(base, groups, path, key)
-        if not self._closed and self.tuning.status in ("ready", "stale"):
-            self._ensure_tuned(background=True)  # the taps may have changed while it ran
+        timer = self._tune_timer
+        retry = self.tuning.status != "failed" or key != self.tuning.wanted  # a failure of an outdated key too
+        if not self._closed and retry and (timer is None or not timer.is_alive()):
+            self._ensure_tuned(background=True)  # the taps changed while it ran, and the timer already fired
 
     def _schedule_tuning(self) -> None:
         if self._tune_timer is not None:
@@ -398,11 +442,14 @@ class Service:
             retire.start()
         return True
 
-    def _use_tuned(self, path: Path, key: str) -> None:
-        """Swap in the tuned model: embed every example with it and publish, under the lock."""
+    def _use_tuned(self, path: Path, key: str) -> bool:
+        """Swap in the tuned model: embed every example with it and publish, under the lock.
+        False when it does not load."""
         with self._lock:
-            if not self._closed and self._switch_encoder(path, key):
-                self._publish(self.catalog_now())
+            if self._closed or not self._switch_encoder(path, key):
+                return False
+            self._publish(self.catalog_now())
+            return True
 
     # -- learning from corrections ---------------------------------------------------------
 
@@ -616,6 +663,8 @@ class Service:
         """The snapshot and cleaned text to route, or the result when there is nothing to encode."""
         snapshot = self._snapshot
         if snapshot is None:
+            if self.startup_error is not None:  # never ready: say why rather than "warming up" forever
+                return RouteResult(Decision("skipped", f"failed to start: {self.startup_error}"))
             return RouteResult(Decision("skipped", "warming up: the model and index are loading"))
         min_chars = snapshot.router.min_chars
         text, long_enough = clean_message(message, min_chars)

@@ -20,27 +20,41 @@ taps give the same key, so a restart reuses it, and an edit that changes any exa
 a new one. Tuning runs in a child process (niced, so routing keeps the CPU first; its
 memory is returned when it ends) and writes into a temporary directory renamed into place
 when complete, so a crash never leaves a half-written model behind.
+
+Processes: the child dies with the process that started it (:func:`die_with_parent`), so a
+``kill -9`` of the daemon or of ``capd tune`` never leaves a trainer publishing on its own.
+A per-key lock (``tuned/.KEY.lock``, ``flock``) lets one process train a key at a time; another
+one waits and then uses its result. The kernel drops the lock when its holder dies, so a
+crashed holder never blocks anyone. Leftovers of killed runs (``.KEY.PID.tmp``,
+``.KEY.PID.spec.json``) are swept at the next tuning or prune once their PID is gone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from capd.catalog import Catalog
-from capd.errors import ModelError
+from capd.errors import CapdError, ModelError
 from capd.models import quiet_progress_bars
 from capd.router import example_texts
 
@@ -50,6 +64,10 @@ VERSION = "tune-1"  # bump when the training code changes what a recipe produces
 MARKER = "capd-tuned.json"  # written last: a directory without it is not a tuned model
 NICE = 10
 RETAIN = 3  # tuned models kept in a data directory (the most recently used)
+ERROR_PREFIX = "capd tuning: error: "  # the child's last stderr line when it fails: the reason shown
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_POLL = 0.5  # seconds between checks of the parent where prctl is unavailable
+LEFTOVER = re.compile(r"\.(?P<key>[^.]+)\.(?P<pid>\d+)\.(?:tmp|spec\.json)")
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,69 @@ def is_tuned(directory: Path) -> bool:
     return (directory / MARKER).is_file()
 
 
+def set_aside(directory: Path, why: str) -> Path | None:
+    """Move a tuned model that cannot be loaded to ``<key>.broken-<stamp>`` (kept for a look, never
+    loaded; prune removes it in time like any older model) so that the key is tuned again; None
+    if it cannot be moved."""
+    aside = directory.with_name(f"{directory.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        directory.rename(aside)
+    except OSError as exc:
+        log.warning("cannot set aside the damaged tuned model %s: %s", directory, exc)
+        return None
+    log.warning("tuned model %s is unusable (%s); moved it to %s and tuning again", directory, why, aside)
+    return aside
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep(root: Path) -> list[Path]:
+    """Remove the scratch directories (``.KEY.PID.tmp``) and specs (``.KEY.PID.spec.json``) of
+    tuning runs whose process is gone (killed while saving, a full disk, a killed daemon)."""
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        match = LEFTOVER.fullmatch(entry.name)
+        if match is None or _alive(int(match["pid"])):
+            continue
+        try:
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+        except OSError as exc:
+            log.warning("cannot remove the leftover of an interrupted tuning run %s: %s", entry, exc)
+    return removed
+
+
+@contextlib.contextmanager
+def key_lock(out: Path) -> Iterator[None]:
+    """Hold ``tuned/.KEY.lock`` while tuning ``out``: another process tuning the same key waits
+    here (never forever: the kernel releases a dead holder's lock)."""
+    with open(out.with_name(f".{out.name}.lock"), "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("tuning: another process is tuning %s; waiting for its result", out.name)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
     """Mark ``keep`` as just used and remove all but the ``retain`` most recently used tuned
     models (and their ONNX exports); returns what went.
@@ -106,6 +187,7 @@ def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
     from capd.onnx_export import onnx_dir
 
     root = data_dir / "tuned"
+    sweep(root)
     try:
         os.utime(root / keep / MARKER)
         found = [d for d in root.iterdir() if not d.name.startswith(".") and is_tuned(d)]
@@ -120,6 +202,7 @@ def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
             if weights.is_file():
                 shutil.rmtree(onnx_dir(data_dir, sha256_file(weights)), ignore_errors=True)
             shutil.rmtree(directory)
+            directory.with_name(f".{directory.name}.lock").unlink(missing_ok=True)
             removed.append(directory)
         except OSError as exc:
             log.warning("cannot remove the superseded tuned model %s: %s", directory, exc)
@@ -234,35 +317,98 @@ def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE
               started: list[subprocess.Popen[bytes]] | None = None) -> dict[str, Any]:
     """:func:`train` in a niced child process (its log goes to this process's stderr).
 
-    ``started`` receives the child as soon as it runs, so a caller can stop it.
+    ``started`` receives the child as soon as it runs, so a caller can stop it. When another
+    process is tuning the same key, this waits for it and returns its result (``seconds`` None:
+    nothing was trained here). The failure's reason is the child's last error line.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
-    spec = out.with_name(f".{out.name}.{os.getpid()}.spec.json")
-    spec.write_text(json.dumps({"base": str(base_dir), "out": str(out), "groups": groups,
-                                "recipe": asdict(recipe)}), encoding="utf-8")
-    try:
-        child = subprocess.Popen([sys.executable, "-m", "capd.tuning", str(spec)],
-                                 preexec_fn=lambda: os.nice(NICE))  # only os.nice: safe between fork and exec
-        if started is not None:
-            started.append(child)
-        code = child.wait(timeout)
-    finally:
-        spec.unlink(missing_ok=True)
-    if code != 0 or not is_tuned(out):
-        raise ModelError(f"tuning failed (exit {code}); the untuned model stays in use")
+    sweep(out.parent)
+    with key_lock(out):
+        if is_tuned(out):
+            log.info("tuning: %s was tuned by another process; using it", out)
+            return {**_summary(out), "seconds": None}
+        spec = out.with_name(f".{out.name}.{os.getpid()}.spec.json")
+        spec.write_text(json.dumps({"base": str(base_dir), "out": str(out), "groups": groups,
+                                    "recipe": asdict(recipe)}), encoding="utf-8")
+        errors: list[str] = []
+        try:
+            child = subprocess.Popen([sys.executable, "-m", "capd.tuning", str(spec), "--parent", str(os.getpid())],
+                                     stderr=subprocess.PIPE,
+                                     preexec_fn=lambda: os.nice(NICE))  # only os.nice: safe between fork and exec
+            if started is not None:
+                started.append(child)
+            relay = threading.Thread(target=_relay, args=(child, errors), name="capd-tune-log", daemon=True)
+            relay.start()
+            code = child.wait(timeout)
+            relay.join(5)
+        finally:
+            spec.unlink(missing_ok=True)
+        if is_tuned(out):  # published: complete even if the child was killed afterwards
+            return _summary(out)
+    reason = errors[-1] if errors else f"exit {code}"
+    raise ModelError(f"tuning failed ({reason}); the untuned model stays in use")
+
+
+def _summary(out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = json.loads((out / MARKER).read_text(encoding="utf-8"))
     return summary
+
+
+def _relay(child: subprocess.Popen[bytes], errors: list[str]) -> None:
+    """Copy the child's stderr to this process's, keeping its error lines for the failure's reason."""
+    assert child.stderr is not None
+    for raw in child.stderr:
+        line = raw.decode("utf-8", "replace")
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        if line.startswith(ERROR_PREFIX):
+            errors.append(line[len(ERROR_PREFIX):].strip())
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process (the tuning child) end when ``parent`` does, even by ``kill -9``.
+
+    On Linux, ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills the child when the thread
+    that started it ends (capd always waits for the child in that thread). A parent that died
+    before the prctl took effect is caught by comparing ``getppid()`` with the one that started
+    us. Elsewhere (or if prctl fails), a watchdog thread polls ``getppid()``."""
+    watchdog = True
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            watchdog = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)  # the parent is already gone: we were re-parented before the prctl
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL)
+        os._exit(1)
+
+    if watchdog:
+        threading.Thread(target=watch, name="capd-tune-parent", daemon=True).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Child-process entry: ``python -m capd.tuning SPEC.json``."""
     parser = argparse.ArgumentParser(description="capd's tuning worker (started by capd itself)")
     parser.add_argument("spec", type=Path)
+    parser.add_argument("--parent", type=int, help="the PID of the capd process that started this one")
     args = parser.parse_args(argv)
+    if args.parent is not None:
+        die_with_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format="capd tuning: %(message)s")
-    spec = json.loads(args.spec.read_text(encoding="utf-8"))
-    groups = [(str(name), [str(t) for t in texts]) for name, texts in spec["groups"]]
-    summary = train(Path(spec["base"]), groups, Path(spec["out"]), Recipe(**spec.get("recipe", {})))
+    try:
+        spec = json.loads(args.spec.read_text(encoding="utf-8"))
+        groups = [(str(name), [str(t) for t in texts]) for name, texts in spec["groups"]]
+        summary = train(Path(spec["base"]), groups, Path(spec["out"]), Recipe(**spec.get("recipe", {})))
+    except Exception as exc:  # the last line is the reason the parent reports (health, capd tune)
+        if not isinstance(exc, (OSError, CapdError)):  # a bug, not a full disk or bad input: keep the trace
+            traceback.print_exc()
+        sys.stderr.write(f"{ERROR_PREFIX}{exc}\n")
+        return 1
     log.info("done: %d steps in %.1f s", summary["steps"], summary["seconds"])
     return 0
 

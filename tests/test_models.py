@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 import capd.models as models
+from capd.cli import main
 from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
 from capd.models import (
     HASH_MANIFEST,
@@ -227,5 +229,9 @@ def test_a_broken_manifest_stops_only_the_commands_that_use_it(tmp_path: Path) -
     assert "all-minilm-l6-v2" in load_manifests(tmp_path, broken)
     assert list(broken) == ["zz-broken"] and "zz-broken.toml: invalid TOML" in str(broken["zz-broken"])
     assert manifest_for(Settings(taps=(), models_dir=tmp_path)).name == "all-minilm-l6-v2"
-    with pytest.raises(ModelError, match="zz-broken.toml: invalid TOML"):  # not "neither a manifest nor …"
+    with pytest.raises(ModelError, match=r"zz-broken\.toml: invalid TOML"):  # not "neither a manifest nor …"
         manifest_for(Settings(taps=(), models_dir=tmp_path, model="zz-broken"))
+    result = CliRunner().invoke(main, ["models", "--json"], env={"CAPD_MODELS_DIR": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in json.loads(result.output)["models"]}
+    assert rows["all-minilm-l6-v2"]["current"] and "invalid TOML" in rows["zz-broken"]["reason"]

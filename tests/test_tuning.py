@@ -5,6 +5,7 @@ tuned model separates unseen messages of a tap's capabilities better than the un
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -109,10 +110,10 @@ def test_prune_keeps_the_most_recent_and_their_onnx_exports(tmp_path: Path) -> N
         onnx_dir(tmp_path, sha256_file(directory / "model.safetensors")).mkdir(parents=True)
         made.append(directory)
         time.sleep(0.01)
-    (tmp_path / "tuned" / ".k9.123.tmp").mkdir()  # a tuning run in progress is left alone
+    (tmp_path / "tuned" / f".k9.{os.getpid()}.tmp").mkdir()  # a tuning run in progress is left alone
     removed = prune(tmp_path, "k0", retain=3)
     assert sorted(p.name for p in removed) == ["k1", "k2"]
-    assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == [".k9.123.tmp", "k0", "k3", "k4"]
+    assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == [f".k9.{os.getpid()}.tmp", "k0", "k3", "k4"]
     assert len(list((tmp_path / "onnx").iterdir())) == 3
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -9,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from capd.cli.common import EXIT_ERROR, build_settings, emit_json, settings_options, stderr
-from capd.errors import ModelError
+from capd.cli.common import EXIT_ERROR, Failed, build_settings, emit_json, settings_options, stderr
+from capd.errors import CapdError, ModelError
 from capd.models import ModelManifest, availability, load_manifests, manifest_for, resolve
 
 if TYPE_CHECKING:
+    from capd.catalog import Catalog
+    from capd.settings import Settings
     from capd.vectorcache import VectorCache
 
 
@@ -48,7 +51,8 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
 
     Storing their vectors is this command's only job, so it exits 1 when any of them is not in the
     vector cache afterwards (a data directory that cannot be written keeps nothing; a full disk
-    some), saying so first, as it does when a tap has errors.
+    some), saying so first, as it does when a tap has errors. With `tune = true` (CAPD_TUNE) the
+    vectors are the tuned model's (tuned now unless cached), which the daemon routes with.
 
     Example: capd index --tap taps/core --prune
     """
@@ -60,7 +64,8 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend)
     started = time.perf_counter()
     catalog = load_catalog(settings.taps)
-    encoder = open_encoder(settings)
+    tuned = _tuned_model(settings, catalog)
+    encoder = open_encoder(dataclasses.replace(settings, model=str(tuned)) if tuned else settings)
     cache = VectorCache.open(settings.data_dir)
     bar = _Bar("embedding triggers")
     try:
@@ -74,7 +79,8 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
         bar.close()
         cache.close()
     result = {
-        "model": settings.model, "model_id": encoder.model_id, "taps": [str(t) for t in catalog.taps],
+        "model": settings.model, "tuned": str(tuned) if tuned else None, "model_id": encoder.model_id,
+        "taps": [str(t) for t in catalog.taps],
         "capabilities": len(catalog), "triggers": catalog.trigger_count, "embedded": report.embedded,
         "cached": report.cached, "pruned": pruned, "stored": stored, "unstored": unstored,
         "cache": str(cache.path) if cache.path else None, "persistent": cache.persistent,
@@ -102,6 +108,20 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
                        f"vectors stored for {encoder.model_id}{missing} ({result['seconds']:.1f} s)")
     if catalog.errors or unstored or not cache.persistent:
         raise SystemExit(EXIT_ERROR)
+
+
+def _tuned_model(settings: Settings, catalog: Catalog) -> Path | None:
+    """With ``tune = true``, the tuned model the daemon will route with (tuned now if it is not
+    cached), so that its vectors are the ones stored; None when tuning is off."""
+    from capd.models import HASH_MODEL
+    from capd.service import Service
+
+    if not settings.tune or settings.model == HASH_MODEL:
+        return None
+    try:
+        return Path(Service(settings).tuned_model(catalog))
+    except (CapdError, OSError) as exc:
+        raise Failed(f"tuning was asked for (tune = true / CAPD_TUNE) and did not happen: {exc}") from None
 
 
 def _unstored(cache: VectorCache, model_id: str, hashes: set[str]) -> int:
@@ -147,9 +167,12 @@ def models(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, m
     Example: capd models --json
     """
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend)
-    manifests = load_manifests(settings.models_dir)
+    broken: dict[str, ModelError] = {}
+    manifests = load_manifests(settings.models_dir, broken)
     rows = [_model_row(m, settings.model, settings.backend, verify, settings.data_dir) for m in manifests.values()]
-    if settings.model not in manifests:
+    rows += [{"name": name, "current": name == settings.model, "available": False, "reason": str(exc)}
+             for name, exc in broken.items()]  # listed with their reason: this is where one looks
+    if settings.model not in manifests and settings.model not in broken:
         try:
             rows.append(_model_row(manifest_for(settings), settings.model, settings.backend, verify, settings.data_dir))
         except ModelError as exc:

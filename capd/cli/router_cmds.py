@@ -27,14 +27,22 @@ from capd.settings import RULES, Settings
 
 def _service(settings: Settings) -> Any:
     """An in-process service on ``settings.taps``; a tap path that is not a tap is an error here
-    (a daemon keeps waiting for it; a command would route against nothing and look like an abstain)."""
+    (a daemon keeps waiting for it; a command would route against nothing and look like an abstain),
+    and so is a tuning that was asked for and did not happen (a daemon serves untuned meanwhile)."""
     from capd.service import Service
 
     for tap in settings.taps:
         if not (Path(tap) / "capabilities").is_dir():
             what = "no such directory" if not Path(tap).exists() else "no capabilities/ folder in it"
             raise Failed(f"{tap}: not a tap ({what})")
-    return Service(settings).start()
+    service = Service(settings).start()
+    tuning = service.tuning
+    if tuning.enabled and tuning.status != "ready":
+        # routing, scores and gates (`calibrate --write`) would silently be the untuned model's
+        service.close()
+        raise Failed(f"tuning was asked for (tune = true / CAPD_TUNE) and did not happen: "
+                     f"{tuning.error or tuning.status}")
+    return service
 
 
 def _fmt(value: object) -> str:

@@ -1,0 +1,179 @@
+"""What the service and the CLI do around a tuning (capd/service.py): the health ``tuning``
+status, a damaged tuned model, an edit during a tuning, a failed tuning in a one-shot command,
+a daemon that failed to start. The training itself is replaced by a copy of the base model
+published under the key (the real training is tests/test_tuning.py's); loading it is real."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import capd.service as service_module
+from capd.cli import main
+from capd.encoder import Encoder
+from capd.errors import CapdError
+from capd.service import Service
+from capd.settings import Settings
+from capd.taps import load_catalog
+from capd.tuning import MARKER, is_tuned, tuned_dir
+from tests.conftest import SettingsFactory, isolated_data_dir
+from tests.taputil import write_capability
+
+TRIGGERS = {
+    "postgres": ["run a SQL query on the database", "show the tables in postgres", "explain this slow query"],
+    "docker": ["start a container from this image", "list running containers", "build the docker image"],
+    "calendar": ["schedule a meeting with Ana tomorrow", "what is on my calendar today", "cancel the standup"],
+}
+
+
+def write_tap(root: Path) -> Path:
+    for name, texts in TRIGGERS.items():
+        write_capability(root, name, texts)
+    return root
+
+
+def fake_tuning(trained: list[str], gate: threading.Event | None = None) -> Callable[..., dict[str, Any]]:
+    """Stands in for run_child: publishes the base model (symlinked files) as the tuned one."""
+    def run_child(base: Path, groups: Any, out: Path, recipe: Any = None, **_: Any) -> dict[str, Any]:
+        if gate is not None:
+            assert gate.wait(10)
+        out.mkdir(parents=True)
+        for item in base.iterdir():
+            os.symlink(item, out / item.name)
+        (out / MARKER).write_text(json.dumps({"seconds": 0.1}), encoding="utf-8")
+        trained.append(out.name)
+        return {"seconds": 0.1}
+    return run_child
+
+
+@pytest.fixture
+def tuned_settings(model_settings: Settings, real_encoder: Encoder, tmp_path: Path) -> Settings:
+    """The real model (its ONNX export shared), ``tune = true``, a small tap."""
+    return replace(isolated_data_dir(model_settings, tmp_path), taps=(write_tap(tmp_path / "tap"),), tune=True)
+
+
+def wait_idle(service: Service, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (thread := service._tune_thread) is not None and thread.is_alive():
+        assert time.monotonic() < deadline, "the tuning thread did not finish"
+        time.sleep(0.05)
+
+
+def test_a_damaged_tuned_model_is_set_aside_and_tuned_again(tuned_settings: Settings,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    service = Service(tuned_settings)
+    key, _, _ = service._tuning_target(load_catalog(tuned_settings.taps))
+    damaged = tuned_dir(tuned_settings.data_dir, key)
+    damaged.mkdir(parents=True)
+    (damaged / "config.json").write_text("{not json", encoding="utf-8")
+    (damaged / MARKER).write_text("{}", encoding="utf-8")  # marked complete, but no model in it
+    trained: list[str] = []
+    monkeypatch.setattr(service_module, "run_child", fake_tuning(trained))
+    service.start()
+    try:
+        assert service.tuning.status == "ready" and service.tuning.key == key, service.tuning
+        assert trained == [key]
+        aside = [p.name for p in damaged.parent.iterdir() if p.name.startswith(f"{key}.broken-")]
+        assert len(aside) == 1 and (damaged.parent / aside[0] / "config.json").read_text() == "{not json"
+    finally:
+        service.close()
+
+
+def test_health_says_untuned_while_starting_and_stale_after_an_edit(tuned_settings: Settings,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "TUNE_DELAY", 60.0)  # the retune stays pending during the test
+    monkeypatch.setattr(service_module, "run_child", fake_tuning([]))
+    service = Service(tuned_settings, sessions=True)
+    try:
+        assert service.health()["tuning"]["status"] == "untuned"  # enabled: never "off"
+        service.start()
+        wait_idle(service)
+        first = service.tuning.key
+        assert service.tuning.status == "ready" and first is not None, service.tuning
+        write_capability(tuned_settings.taps[0], "docker", [*TRIGGERS["docker"], "remove dangling images"])
+        service.reload()
+        state = service.health()["tuning"]
+        assert state["status"] == "stale" and state["key"] == first and state["wanted"] not in (None, first)
+    finally:
+        service.close()
+
+
+def test_a_tuning_outdated_by_an_edit_while_it_ran_is_not_loaded(tuned_settings: Settings, real_encoder: Encoder,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "TUNE_DELAY", 60.0)
+    gate = threading.Event()
+    trained: list[str] = []
+    monkeypatch.setattr(service_module, "run_child", fake_tuning(trained, gate))
+    service = Service(tuned_settings, sessions=True).start()
+    try:
+        assert service.tuning.status == "tuning"
+        first = service.tuning.wanted
+        write_capability(tuned_settings.taps[0], "docker", [*TRIGGERS["docker"], "remove dangling images"])
+        service.reload()
+        assert service.tuning.status == "stale" and service.tuning.wanted != first
+        gate.set()
+        wait_idle(service)
+        assert trained == [first] and is_tuned(tuned_dir(tuned_settings.data_dir, str(first)))  # kept for later
+        assert service.tuning.key is None and service.tuning.status == "untuned", service.tuning
+        assert service.health()["model"] == real_encoder.model_id  # not swapped in for nothing
+    finally:
+        gate.set()
+        service.close()
+
+
+def test_one_shot_commands_fail_when_the_tuning_asked_for_does_not_happen(tuned_settings: Settings) -> None:
+    (tuned_settings.data_dir / "tuned").write_text("a file where the tuned models go", encoding="utf-8")
+    result = CliRunner().invoke(main, ["route", "list running containers", "--tap", str(tuned_settings.taps[0]),
+                                       "--data-dir", str(tuned_settings.data_dir), "--backend", "onnx"],
+                                env={"CAPD_TUNE": "true"})
+    assert result.exit_code == 1, result.output
+    assert "tuning was asked for" in result.output and "did not happen" in result.output
+
+
+def test_a_daemon_that_failed_to_start_says_so_when_asked_to_route(settings_factory: SettingsFactory) -> None:
+    service = Service(settings_factory(model="nosuch"))
+    with pytest.raises(CapdError):
+        service.start()
+    decision = service.route("list the running containers").decision
+    assert decision.decision == "skipped"
+    assert decision.reason.startswith("failed to start: ") and service.startup_error is not None
+    assert service.startup_error in decision.reason
+
+
+def test_route_says_warming_up_while_the_model_loads(settings_factory: SettingsFactory) -> None:
+    decision = Service(settings_factory()).route("list the running containers").decision
+    assert decision.decision == "skipped" and decision.reason.startswith("warming up")
+
+
+def test_index_stores_the_tuned_models_vectors_when_tuning_is_on(tuned_settings: Settings,
+                                                                  real_encoder: Encoder) -> None:
+    key, _, base = Service(tuned_settings)._tuning_target(load_catalog(tuned_settings.taps))
+    path = tuned_dir(tuned_settings.data_dir, key)
+    fake_tuning([])(base, None, path)  # cached: index uses it without tuning
+    result = CliRunner().invoke(main, ["index", "--tap", str(tuned_settings.taps[0]), "--data-dir",
+                                       str(tuned_settings.data_dir), "--backend", "onnx", "--json"],
+                                env={"CAPD_TUNE": "true"})
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["tuned"] == str(path) and report["model_id"] != real_encoder.model_id
+    assert report["stored"] == report["triggers"] > 0
+
+
+def test_lint_embeddings_names_the_untuned_model_it_checks_with(tmp_path: Path, model_settings: Settings) -> None:
+    from capd.lint_embed import near_duplicates
+
+    tap = tmp_path / "tap"
+    write_capability(tap, "github", ["open a pull request", "review the open issues"])
+    write_capability(tap, "gitlab", ["create a pull request", "show the pipeline status"])
+    settings = replace(model_settings, taps=(tap,), tune=True)
+    (problem,) = near_duplicates(load_catalog([tap]), settings)
+    assert "all-minilm-l6-v2, untuned" in problem.reason
