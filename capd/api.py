@@ -5,7 +5,10 @@
 - With a token configured, every endpoint (docs and metrics included) needs
   ``Authorization: Bearer <token>``.
 - While the model loads, ``/v1/health`` says ``ready: false``, ``/v1/route`` answers
-  ``skipped`` ("warming up") at once, and endpoints that need the catalog answer 503.
+  ``skipped`` ("warming up") at once, and endpoints that need the catalog answer 503. After a
+  failed start every one of them answers 503 ``warming_up`` with the reason (the daemon keeps
+  running, so that health can say why), and a model that fails while serving is 503
+  ``model_unavailable``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -33,6 +37,7 @@ from capd.encoder import Encoder
 from capd.errors import (
     CapdError,
     InvalidSessionId,
+    ModelError,
     PinnedCapability,
     StateError,
     UnknownCapability,
@@ -103,8 +108,23 @@ def _json(content: Any) -> Response:
     """A JSON response rendered as it stands. A handler that returns a dict has FastAPI walk it
     with ``jsonable_encoder`` first, a tenth of the event loop's time per route; the JSON bytes
     are the same (``response_model`` stays declared for the OpenAPI document)."""
-    body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_jsonable)
+    try:
+        body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_jsonable)
+    except ValueError:  # NaN or inf (a damaged model): null, rather than a 500 or invalid JSON
+        body = json.dumps(_finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+                          default=_jsonable)
     return Response(body.encode("utf-8"), media_type="application/json")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is NaN or inf replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _error(status: int, error: str, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -138,7 +158,7 @@ def _install_handlers(app: FastAPI) -> None:
 
     statuses: list[tuple[type[CapdError], int]] = [
         (UnknownSession, 404), (UnknownCapability, 404), (InvalidSessionId, 400), (PinnedCapability, 409),
-        (StateError, 503),
+        (StateError, 503), (ModelError, 503),  # capd cannot answer (e.g. a model giving NaN): not the request's fault
     ]
     for cls, status in statuses:
         def make(status: int, code: str) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
@@ -345,7 +365,10 @@ def _install_routes(app: FastAPI) -> None:
         # async: the turn waits on the micro-batcher's future, not in a threadpool thread; the
         # decision and session plan after the encode run on the loop (no I/O but a SQLite commit).
         _check_size(body.message, "message")
-        result = await _service(request).aroute(body.message, body.session)
+        service = _service(request)
+        if service.startup_error is not None and not service.ready:  # never "warming up" forever
+            raise ApiError(503, "warming_up", f"failed to start: {service.startup_error}")
+        result = await service.aroute(body.message, body.session)
         return _json(result.as_dict())
 
     @app.get("/v1/sessions/{session}", response_model=None, responses=responses_for(SessionOut))

@@ -28,6 +28,7 @@ Nothing is downloaded: this module sets ``HF_HUB_OFFLINE=1`` and ``TRANSFORMERS_
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,7 +44,7 @@ import numpy.typing as npt
 
 from capd.errors import ModelError
 from capd.models import ResolvedModel, manifest_for, quiet_progress_bars, resolve
-from capd.onnx_export import discard, ensure_onnx
+from capd.onnx_export import damage, ensure_onnx
 from capd.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,17 @@ def token_rows(hidden: npt.NDArray[Any], mask: npt.NDArray[Any]) -> TokenVectors
         rows = np.asarray(states[np.asarray(keep, dtype=bool)], dtype=np.float32)
         out.append(l2_normalize(rows[1:-1] if len(rows) > 2 else rows))
     return out
+
+
+def check_finite(model_id: str, vectors: Vectors, tokens: TokenVectors, hint: str) -> None:
+    """Raise :class:`ModelError` when a model gave NaN or inf (damaged files): NaN scores compare
+    False against every gate, and the vector cache would have kept them for good."""
+    bad = ~np.isfinite(vectors).all(axis=1)  # [texts, dim]
+    if tokens:
+        bad |= np.array([not np.isfinite(m).all() for m in tokens], dtype=bool)
+    if bad.any():
+        raise ModelError(f"{model_id}: the model gave NaN or inf for {int(bad.sum())} of {len(vectors)} text(s), "
+                         f"so its files are damaged; {hint}")
 
 
 def pool(hidden: npt.NDArray[Any], mask: npt.NDArray[Any], pooling: str) -> Vectors:
@@ -209,26 +221,43 @@ class OnnxEncoder(_ModelEncoder):
         self._normalize = normalize
         self._prefix = query_prefix
         self._batch = batch_size
+        self._source = f"remove {onnx_path.parent} to export it again"
 
     @classmethod
     def load(cls, resolved: ResolvedModel, data_dir: Path, model_id: str) -> OnnxEncoder:
-        """Export once (or reuse the export) and open it; a broken export is redone once."""
+        """Export once (or reuse the export) and open it; a broken or damaged export
+        (:func:`capd.onnx_export.damage`) is set aside and redone once."""
         m = resolved.manifest
         if not (resolved.directory / "tokenizer.json").is_file():  # checked before spending an export on it
             raise ModelError(f"{resolved.directory}: no tokenizer.json, which the ONNX backend needs; "
                              "use backend = \"torch\"")
         kwargs: dict[str, Any] = {"model_id": model_id, "dim": m.dim, "pooling": m.pooling, "normalize": m.normalize,
                                   "query_prefix": m.query_prefix, "max_seq_length": m.max_seq_length}
-        path = ensure_onnx(resolved.directory, resolved.weights_sha256, data_dir)
+        # A per-process export (read-only data directory) is deleted once the session has read it.
+        with contextlib.ExitStack() as scratch:
+            path = ensure_onnx(resolved.directory, resolved.weights_sha256, data_dir, scratch)
+            encoder, problem = cls._open_checked(path, resolved.directory, kwargs)
+            if encoder is not None:
+                return encoder
+            log.warning("the ONNX export %s is unusable: %s; setting it aside and exporting it again", path, problem)
+            path = ensure_onnx(resolved.directory, resolved.weights_sha256, data_dir, scratch, replacing=path)
+            encoder, problem = cls._open_checked(path, resolved.directory, kwargs)
+            if encoder is None:
+                raise ModelError(f"{path}: the ONNX export is unusable even after exporting it again: {problem}; "
+                                 f"remove {path.parent} or use backend = \"torch\"")
+            return encoder
+
+    @classmethod
+    def _open_checked(cls, path: Path, model_dir: Path, kwargs: dict[str, Any]) -> tuple[OnnxEncoder | None, str]:
+        """The encoder over ``path``, or None and why it cannot be used."""
         try:
-            return cls(path, resolved.directory, **kwargs)
+            encoder = cls(path, model_dir, **kwargs)
         except ModelError:
             raise
         except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
-            log.warning("cannot load %s (%s); exporting it again", path, exc)
-            discard(path.parent)
-            return cls(ensure_onnx(resolved.directory, resolved.weights_sha256, data_dir), resolved.directory,
-                       **kwargs)
+            return None, f"cannot load it ({exc})"
+        problem = damage(path.parent, encoder._session)
+        return (None, problem) if problem else (encoder, "")
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         return self._embed(texts, tokens=False)[0]
@@ -248,7 +277,9 @@ class OnnxEncoder(_ModelEncoder):
             if tokens:
                 for i, matrix in zip(chunk, token_rows(hidden, mask), strict=True):
                     rows[i] = matrix
-        return (l2_normalize(out) if self._normalize and len(items) else out), rows if tokens else []
+        vectors = l2_normalize(out) if self._normalize and len(items) else out
+        check_finite(self._model_id, vectors, rows if tokens else [], self._source)
+        return vectors, rows if tokens else []
 
     def _run(self, texts: list[str]) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """The last hidden states ``[batch, tokens, dim]`` and the attention mask."""
@@ -282,6 +313,7 @@ class TorchEncoder(_ModelEncoder):
         self._normalize = normalize
         self._prefix = query_prefix
         self._batch = batch_size
+        self._source = f"reinstall the model in {model_dir}"
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         return self._embed(texts, tokens=False)[0]
@@ -300,7 +332,9 @@ class TorchEncoder(_ModelEncoder):
         rows = [h[0] if self._pooling == "cls" else h.mean(axis=0) for h in hidden]
         out = np.stack(rows).astype(np.float32)
         matrices = [token_rows(h[None], np.ones((1, len(h))))[0] for h in hidden] if tokens else []
-        return (l2_normalize(out) if self._normalize else out), matrices
+        vectors = l2_normalize(out) if self._normalize else out
+        check_finite(self._model_id, vectors, matrices, self._source)
+        return vectors, matrices
 
 
 def resolve_backend(settings_backend: str, manifest_backend: str) -> str:

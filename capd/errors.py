@@ -78,6 +78,8 @@ class FixtureError(CapdError):
 class ModelError(CapdError):
     """The embedding model cannot be used."""
 
+    code = "model_unavailable"
+
 
 class ModelNotAvailable(ModelError):
     """The model is not on this machine; capd never downloads one at run time."""

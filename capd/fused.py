@@ -352,9 +352,13 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
                     tokens = ExampleTokens.from_rows(texts, labels, stored["token_rows"], stored["token_starts"],
                                                      columns)
                 over_budget = "over_token_budget" in stored
+            # The small arrays only: the token rows are up to 40M numbers (~50 ms to check on every start).
+            if not all(np.isfinite(a).all() for a in (in_class, weight, bias) if a is not None):
+                raise ValueError("it holds NaN or inf (fitted on a damaged model's vectors)")
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # corrupt or truncated
             log.warning("ignoring unreadable fused head %s: %s", path, exc)
             in_class = None
+            tokens = None
     stale = in_class is None or in_class.shape != (columns,)
     if stale:
         in_class = in_class_similarity(vectors, labels, columns)

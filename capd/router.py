@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -168,14 +169,20 @@ class Decision:
     candidates: tuple[tuple[str, float], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: a score or margin that is not a finite number (a damaged model) reads as
+        null, and a candidate without a finite score is left out."""
         return {
             "decision": self.decision,
             "capability": self.capability,
-            "score": None if self.score is None else round(self.score, 4),
-            "margin": None if self.margin is None else round(self.margin, 4),
+            "score": _rounded(self.score),
+            "margin": _rounded(self.margin),
             "reason": self.reason,
-            "candidates": [{"name": n, "score": round(s, 4)} for n, s in self.candidates],
+            "candidates": [{"name": n, "score": round(s, 4)} for n, s in self.candidates if math.isfinite(s)],
         }
+
+
+def _rounded(value: float | None) -> float | None:
+    return round(value, 4) if value is not None and math.isfinite(value) else None
 
 
 def shown(value: float, gate: float) -> tuple[str, str]:
@@ -189,20 +196,29 @@ def shown(value: float, gate: float) -> tuple[str, str]:
 
 
 def gate(ranked: Sequence[tuple[str, float]], gates: Gates) -> tuple[bool, float, str]:
-    """Apply threshold and margin to a ranking; returns (fire, margin, reason)."""
+    """Apply threshold and margin to a ranking; returns (fire, margin, reason).
+
+    Written as ``not value >= gate`` so that a NaN score (a damaged model) fails every gate."""
     if not ranked:
         return False, 0.0, "no capability to route to"
     name, top1 = ranked[0]
     top2 = ranked[1][1] if len(ranked) > 1 else 0.0
     margin = top1 - top2
-    if top1 < gates.threshold:
+    if not (math.isfinite(top1) and math.isfinite(margin)):
+        return False, margin, not_a_number(name, top1, margin)
+    if not top1 >= gates.threshold:
         value, limit = shown(top1, gates.threshold)
         return False, margin, f"best {value} below threshold {limit}"
-    if margin < gates.margin:
+    if not margin >= gates.margin:
         runner = ranked[1][0]
         value, limit = shown(margin, gates.margin)
         return False, margin, f"margin {value} between {name} and {runner} below {limit}"
     return True, margin, f"{name} {top1:.2f} clears threshold {gates.threshold:.2f} and margin {gates.margin:.2f}"
+
+
+def not_a_number(name: str, score: float, margin: float) -> str:
+    """The reason of an abstain on a score or margin that is NaN or inf (never one that clears)."""
+    return f"{name}'s score ({score}) or margin ({margin}) is not a number: no gate lets it through (a damaged model?)"
 
 
 def example_texts(capability: Capability, rule: str, learned: Sequence[str] = ()) -> tuple[str, ...]:
@@ -472,10 +488,12 @@ class Router:
         if name in active:
             return Decision("already_active", f"{name} is already active", name, level, gap, candidates)
         gates = self._gates_for(name)
-        if level < gates.threshold:
+        if not (math.isfinite(level) and math.isfinite(gap)):  # NaN must clear nothing: the tests read "not >="
+            return Decision("abstain", not_a_number(name, level, gap), name, level, gap, candidates)
+        if not level >= gates.threshold:
             value, limit = shown(level, gates.threshold)
             return Decision("abstain", f"{name} level {value} below threshold {limit}", name, level, gap, candidates)
-        if gap < gates.margin:
+        if not gap >= gates.margin:
             runner = candidates[1][0] if len(candidates) > 1 else "-"
             value, limit = shown(gap, gates.margin)
             return Decision("abstain", f"margin {value} between {name} and {runner} below {limit}",

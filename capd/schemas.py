@@ -239,7 +239,8 @@ class CapabilityCallOut(_Out):
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     "4XX": {"model": ErrorOut, "description": "Bad input, unknown session or capability, missing token"},
-    503: {"model": ErrorOut, "description": "Still warming up, or running without sessions"},
+    503: {"model": ErrorOut, "description": "Still warming up or failed to start (the reason), running without "
+                                            "sessions, session state or the model unavailable"},
 }
 
 

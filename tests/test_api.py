@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 import capd.api
 from capd.api import create_app, upkeep
+from capd.encoder import HashEncoder, Vectors
+from capd.errors import ModelError
 from capd.service import Service
 from capd.settings import Settings
-from tests.conftest import GatedEncoder, isolated_data_dir
-from tests.taputil import octomind_tap
+from tests.conftest import GatedEncoder, SettingsFactory, isolated_data_dir
+from tests.taputil import octomind_tap, write_capability
 
 
 @pytest.fixture
@@ -265,3 +269,62 @@ def test_upkeep_checks_learning_often_sessions_each_minute_and_survives_a_failur
             loop.join(5)
     assert not loop.is_alive() and "a bug in a learning pass" in caplog.text
     assert calls["refresh"] >= 10 and 1 <= calls["expire"] <= 3, calls
+
+
+class _PoisonEncoder(HashEncoder):
+    """A damaged model that still runs: NaN for every text that says "poison"."""
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        vectors = super().embed(texts)
+        vectors[["poison" in text for text in texts]] = np.nan
+        return vectors
+
+
+def test_nan_scores_never_make_a_500_or_invalid_json(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    tap = tmp_path / "tap"
+    write_capability(tap, "docker", ["list running containers", "restart a container"])
+    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    app = create_app(settings_factory(taps=(tap,)), encoder=_PoisonEncoder(), watch=False, warm_in_background=False)
+    with TestClient(app) as client:
+        for path, body in (("/v1/route", {"session": "s", "message": "poison: restart a container"}),
+                           ("/v1/discover", {"intent": "poison containers"})):
+            response = client.post(path, json=body)
+            assert response.status_code == 200, response.text
+            assert "NaN" not in response.text
+            json.loads(response.text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+        routed = client.post("/v1/route", json={"session": "s", "message": "poison: restart a container"}).json()
+        assert routed["decision"] == "abstain" and routed["score"] is None
+
+
+def test_a_daemon_that_failed_to_start_answers_503_with_the_reason(settings_factory: SettingsFactory,
+                                                                   tmp_path: Path) -> None:
+    """Its routes used to say "warming up: the model and index are loading" forever."""
+    settings = settings_factory(model=str(tmp_path / "no-such-model"))
+    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+        assert client.get("/v1/health").json()["status"] == "error"
+        response = client.post("/v1/route", json={"session": "s", "message": "list the running containers"})
+        assert response.status_code == 503, response.text
+        error = response.json()
+        assert error["error"] == "warming_up" and error["detail"].startswith("failed to start: ")
+        assert "no-such-model" in error["detail"]
+
+
+class _FailingEncoder(HashEncoder):
+    """A model that fails while serving (the ONNX encoder raises ModelError on NaN output)."""
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        if any("broken" in text for text in texts):
+            raise ModelError("the model gave non-finite vectors")
+        return super().embed(texts)
+
+
+def test_a_model_failing_while_serving_is_503_not_the_requests_fault(settings_factory: SettingsFactory,
+                                                                     tmp_path: Path) -> None:
+    tap = tmp_path / "tap"
+    write_capability(tap, "docker", ["list running containers", "restart a container"])
+    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    app = create_app(settings_factory(taps=(tap,)), encoder=_FailingEncoder(), watch=False, warm_in_background=False)
+    with TestClient(app) as client:
+        response = client.post("/v1/route", json={"session": "s", "message": "broken: restart a container"})
+        assert (response.status_code, response.json()["error"]) == (503, "model_unavailable"), response.text
+        assert client.post("/v1/route", json={"session": "s", "message": "restart a container"}).status_code == 200

@@ -296,3 +296,17 @@ def test_index_that_could_not_write_some_vectors_fails(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert (report["persistent"], report["embedded"], report["unstored"]) == (True, 2, 2)
     assert report["stored"] == report["triggers"] - 2
+
+
+def test_json_output_never_holds_nan(capsys: pytest.CaptureFixture[str]) -> None:
+    """``NaN`` is not JSON: a score a damaged model made NaN prints as null."""
+    import numpy as np
+
+    from capd.cli.common import emit_json
+
+    emit_json({"score": float("nan"), "margin": float("-inf"), "candidates": [{"score": np.float32("nan")}],
+               "fine": 0.5, "count": 3})
+    out = capsys.readouterr().out
+    assert "NaN" not in out and "Infinity" not in out
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == {
+        "score": None, "margin": None, "candidates": [{"score": None}], "fine": 0.5, "count": 3}

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import capd.onnx_export as onnx_export
 from capd.encoder import Encoder, HashEncoder, OnnxEncoder, TorchEncoder, model_identity, open_encoder
-from capd.errors import ModelNotAvailable, WeightsMismatch
-from capd.models import manifest_for, resolve
+from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
+from capd.models import VERIFIED_FILE, manifest_for, resolve
 from capd.settings import Settings
+from capd.vectorcache import VectorCache, text_hash
 
 MINILM_SHA = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 
@@ -266,3 +272,133 @@ def test_lint_finds_near_duplicate_triggers_across_capabilities(tmp_path: Path, 
     assert problem.file == str(tap / "capabilities" / "gitlab" / "config.toml") and problem.line == 3
     assert "'create a pull request'" in problem.reason and "'open a pull request'" in problem.reason
     assert "'github'" in problem.reason and str(tap / "capabilities" / "github" / "config.toml") in problem.reason
+
+
+# -- a damaged export (one that still loads) ------------------------------------------------------
+
+def _copy_export(model_settings: Settings, data: Path) -> tuple[Any, Path]:
+    """The session's export copied into ``data`` (file times kept), and the copy's directory."""
+    resolved = resolve(manifest_for(model_settings), model_settings.data_dir)
+    mine = onnx_export.onnx_dir(data, resolved.weights_sha256)
+    shutil.copytree(onnx_export.onnx_dir(model_settings.data_dir, resolved.weights_sha256), mine)
+    shutil.copy2(model_settings.data_dir / VERIFIED_FILE, data / VERIFIED_FILE)
+    return resolved, mine
+
+
+def _damage(model: Path, fill: bytes, keep_mtime: bool = False) -> None:
+    """Overwrite 200 kB two thirds into ``model.onnx``: inside a layer's weights (the word
+    embeddings take its first half), so the graph still loads and computes."""
+    before = model.stat()
+    with model.open("r+b") as handle:
+        handle.seek(before.st_size * 2 // 3)
+        handle.write(fill * (200_000 // len(fill)))
+    if keep_mtime:  # bits that rot in place: nothing but the probe can tell
+        os.utime(model, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_a_damaged_export_is_redone_at_load_and_routes_right(tmp_path: Path, model_settings: Settings,
+                                                             real_encoder: Encoder,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The audit's case: bytes written over the weights of a ``model.onnx`` that still loads gave
+    NaN vectors, routes on NaN scores and NaN vectors kept in the cache for good."""
+    from capd.service import Service
+    from tests.taputil import write_capability
+
+    data = tmp_path / "data"
+    _, mine = _copy_export(model_settings, data)
+    _damage(mine / "model.onnx", b"\xff")  # 0xffffffff is a float32 NaN
+    tap = tmp_path / "tap"
+    write_capability(tap, "postgres", ["show me the tables in my postgres db", "run a sql query"])
+    write_capability(tap, "docker", ["list the running containers", "restart a container"])
+    settings = replace(model_settings, data_dir=data, taps=(tap,))
+    with caplog.at_level(logging.WARNING, logger="capd.encoder"), closing(Service(settings).start()) as service:
+        decision = service.route("which tables are in the postgres database?").decision
+        assert service.encoder is not None
+        vectors = service.encoder.embed(SENTENCES[:4])
+    assert (decision.decision, decision.capability) == ("activate", "postgres")
+    assert decision.score is not None and np.isfinite(decision.score) and "clears" in decision.reason
+    np.testing.assert_allclose(vectors, real_encoder.embed(SENTENCES[:4]), atol=1e-5)
+    assert "changed since it was exported" in caplog.text
+    assert list(mine.glob("model.onnx.broken-*")) and list(mine.glob("export.json.broken-*"))
+    with VectorCache.open(data) as cache:
+        stored = cache.get_many(real_encoder.model_id, [text_hash("run a sql query")])
+    assert len(stored) == 1 and np.isfinite(next(iter(stored.values()))).all()
+
+
+@pytest.mark.parametrize(("fill", "found"), [(b"\xff", "NaN or inf"), (b"\0", "differs from the one recorded")])
+def test_the_probe_finds_damage_that_left_size_and_mtime_alone(tmp_path: Path, model_settings: Settings,
+                                                               real_encoder: Encoder, fill: bytes, found: str) -> None:
+    resolved, mine = _copy_export(model_settings, tmp_path / "data")
+    model = mine / "model.onnx"
+    _damage(model, fill, keep_mtime=True)
+    m = resolved.manifest
+    encoder = OnnxEncoder(model, resolved.directory, model_id=real_encoder.model_id, dim=m.dim)
+    problem = onnx_export.damage(mine, encoder._session)
+    assert problem is not None and found in problem
+    if fill == b"\xff":  # and the encoder refuses the NaN rather than routing on it
+        with pytest.raises(ModelError, match="NaN or inf for 2 of 2 text"):
+            encoder.embed(SENTENCES[:2])
+
+
+def test_an_intact_export_passes_the_check_even_when_copied_without_its_mtime(tmp_path: Path,
+                                                                              model_settings: Settings,
+                                                                              real_encoder: Encoder) -> None:
+    resolved, mine = _copy_export(model_settings, tmp_path / "data")
+    encoder = OnnxEncoder.load(resolved, tmp_path / "data", real_encoder.model_id)
+    assert onnx_export.damage(mine, encoder._session) is None
+    shutil.copyfile(mine / "model.onnx", mine / "copy")  # a new mtime: the sha256 decides
+    (mine / "copy").replace(mine / "model.onnx")
+    assert onnx_export.damage(mine, encoder._session) is None
+    meta = json.loads((mine / "export.json").read_text())
+    assert meta["recipe"] == onnx_export.EXPORT_RECIPE and len(meta["probe"]["mean"]) == resolved.manifest.dim
+    legacy = {k: v for k, v in meta.items() if k not in ("model", "probe")} | {"recipe": 1}
+    (mine / "export.json").write_text(json.dumps(legacy))  # before the probe: redone once, not trusted
+    assert not onnx_export.is_current(mine, resolved.weights_sha256)
+
+
+def _fake_export(model_settings: Settings) -> Any:
+    """``onnx_export.export`` copying the session's export (its probe included) instead of exporting."""
+    resolved = resolve(manifest_for(model_settings), model_settings.data_dir)
+    shared = onnx_export.onnx_dir(model_settings.data_dir, resolved.weights_sha256)
+    meta = json.loads((shared / "export.json").read_text())
+
+    def export(model_dir: Path, out: Path) -> dict[str, object]:
+        shutil.copyfile(shared / "model.onnx", out)
+        return {k: meta[k] for k in ("inputs", "probe") if k in meta}
+
+    return export
+
+
+def test_a_read_only_data_dir_exports_into_a_temporary_dir_that_is_removed(
+        tmp_path: Path, model_settings: Settings, real_encoder: Encoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each process used to leave its ~90 MB export in /tmp/capd-onnx-*; it is removed once loaded,
+    and so is one whose process was killed before removing it."""
+    resolved = resolve(manifest_for(model_settings), model_settings.data_dir)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(onnx_export, "export", _fake_export(model_settings))
+    orphan = scratch / "capd-onnx-999999999-abcd"  # no such process
+    orphan.mkdir()
+    (orphan / "model.onnx").write_bytes(b"left by a killed process")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "onnx").write_text("not a directory")  # unwritable for root too
+    encoder = OnnxEncoder.load(resolved, data, real_encoder.model_id)
+    assert list(scratch.iterdir()) == []
+    np.testing.assert_allclose(encoder.embed(SENTENCES[:4]), real_encoder.embed(SENTENCES[:4]), atol=1e-5)
+
+
+def test_temporary_files_of_a_killed_export_are_removed_unless_one_is_running(tmp_path: Path,
+                                                                              model_settings: Settings) -> None:
+    from filelock import FileLock
+
+    resolved, mine = _copy_export(model_settings, tmp_path / "data")
+    leftovers = [mine / ".model.onnx.0123456789abcdef.tmp", mine / ".export.json.fedcba9876543210.tmp"]
+    for path in leftovers:
+        path.write_bytes(b"half an export")
+    with FileLock(str(mine / ".export.lock")):  # another process is exporting: its files are left alone
+        onnx_export.ensure_onnx(resolved.directory, resolved.weights_sha256, tmp_path / "data")
+    assert all(path.exists() for path in leftovers)
+    onnx_export.ensure_onnx(resolved.directory, resolved.weights_sha256, tmp_path / "data")
+    assert not any(path.exists() for path in leftovers) and (mine / "model.onnx").is_file()

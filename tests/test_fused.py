@@ -569,3 +569,26 @@ def test_over_the_token_budget_there_is_no_second_stage_and_a_restart_knows(
         finally:
             service.close()
     assert "no second stage" in caplog.text
+
+
+def test_a_head_file_holding_nan_is_refitted(settings_factory: SettingsFactory, tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A head fitted on a damaged model's NaN vectors (before capd refused them) is not reused."""
+    tap = tmp_path / "tap"
+    write_capability(tap, "docker", ["list running containers", "restart a container"])
+    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    settings = settings_factory(taps=(tap,), rule="fused")
+    with closing(Service(settings, encoder=HashEncoder()).start()) as service:
+        assert service.router.head is not None
+        in_class = service.router.head.in_class
+    (cached,) = (settings.data_dir / "heads").glob("*.npz")
+    with np.load(cached) as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    arrays["in_class"] = np.full_like(arrays["in_class"], np.nan)
+    with cached.open("wb") as handle:
+        np.savez(handle, **arrays)
+    with closing(Service(settings, encoder=HashEncoder()).start()) as again:
+        assert again.router.head is not None
+        np.testing.assert_allclose(again.router.head.in_class, in_class)
+        assert again.route("restart a container please").decision.capability == "docker"
+    assert "NaN or inf" in caplog.text

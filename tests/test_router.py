@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from capd.router import GateBook, Gates, Router, build_gatebook, gate
+from capd.encoder import HashEncoder, Vectors
+from capd.router import Decision, GateBook, Gates, Router, build_gatebook, gate
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
-from tests.taputil import octomind_tap
+from tests.conftest import SettingsFactory
+from tests.taputil import octomind_tap, write_capability
 
 
 def test_gate_reasons() -> None:
@@ -122,3 +126,42 @@ def test_calibrated_tap_gates_change_routing(tmp_path: Path, model_settings: Set
     (tap / "capd.toml").write_text(f"[gates]\nthreshold = {min((before.score or 0) + 0.05, 0.99)}\n")
     after = Service(settings).start().router.route(message)
     assert after.decision == "abstain" and "below threshold" in after.reason
+
+
+class PoisonEncoder(HashEncoder):
+    """The hash fake, giving NaN for every text that says "poison": a damaged model that still runs."""
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        vectors = super().embed(texts)
+        vectors[["poison" in text for text in texts]] = np.nan
+        return vectors
+
+
+def test_nan_clears_no_gate() -> None:
+    """``top1 < threshold`` and ``margin < margin`` are False for NaN: the comparisons are now
+    ``not value >= gate``, and the reason says why rather than claiming it cleared."""
+    gates = Gates(threshold=0.45, margin=0.08)
+    nan = float("nan")
+    for ranked in ([("alpha", nan), ("beta", nan)], [("alpha", nan), ("beta", 0.1)], [("alpha", 0.9), ("beta", nan)],
+                   [("alpha", nan)], [("alpha", float("inf")), ("beta", 0.1)]):
+        fire, _, reason = gate(ranked, gates)
+        assert not fire and "clears" not in reason and "not a number" in reason, ranked
+    permissive = Gates(threshold=float("-inf"), margin=float("-inf"))
+    assert not gate([("alpha", nan), ("beta", nan)], permissive)[0]
+    decision = Decision("abstain", "x", "alpha", nan, nan, (("alpha", nan), ("beta", 0.25)))
+    assert decision.as_dict()["score"] is None and decision.as_dict()["margin"] is None
+    assert decision.as_dict()["candidates"] == [{"name": "beta", "score": 0.25}]
+
+
+@pytest.mark.parametrize("rule", ["capd", "anchor", "fused"])
+def test_a_message_the_model_gives_nan_for_never_activates(rule: str, settings_factory: SettingsFactory,
+                                                           tmp_path: Path) -> None:
+    tap = tmp_path / "tap"
+    write_capability(tap, "docker", ["list running containers", "restart a container"])
+    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    settings = settings_factory(taps=(tap,), rule=rule, threshold=-5.0, margin=-5.0, auto_gates=False)
+    with closing(Service(settings, encoder=PoisonEncoder()).start()) as service:
+        assert service.router.route("restart a container").decision == "activate"  # the gates let anything through
+        poisoned = service.router.route("poison: restart a container")
+    assert poisoned.decision == "abstain" and "clears" not in poisoned.reason
+    assert "not a number" in poisoned.reason

@@ -17,6 +17,7 @@ import pytest
 
 from capd import vectorcache
 from capd.encoder import HashEncoder, Vectors
+from capd.errors import CacheError, ModelError
 from capd.vectorcache import CACHE_FILE, CachedEmbedder, VectorCache, text_hash
 
 
@@ -330,3 +331,51 @@ def test_a_token_sink_over_its_limit_empties_and_stops(tmp_path: Path) -> None:
         with embedder.keeping_tokens(limit=0) as closed:  # a rule without a second stage
             embedder.embed(["nothing kept"])
         assert encoder.token_texts == [] and closed.matrices == {}
+
+
+class NanEncoder(CountingEncoder):
+    """A damaged model that still runs: NaN for every text that says "poison"."""
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        vectors = super().embed(texts)
+        vectors[["poison" in text for text in texts]] = np.nan
+        return vectors
+
+
+def test_a_non_finite_vector_is_never_stored(tmp_path: Path) -> None:
+    with VectorCache.open(tmp_path) as cache:
+        for bad in (np.nan, np.inf, -np.inf):
+            vector = np.ones(4, dtype=np.float32)
+            vector[2] = bad
+            with pytest.raises(CacheError, match="refusing to store 1 vector"):
+                cache.put_many("m", [("good", np.ones(4, dtype=np.float32)), ("bad", vector)])
+        assert cache.counts() == {}  # nothing of the batch
+        embedder = CachedEmbedder(NanEncoder(), cache)
+        with pytest.raises(ModelError, match="NaN or inf for 1 of 2"):
+            embedder.embed(["fine", "poison"])
+        assert cache.counts() == {}
+
+
+def test_a_poisoned_row_is_embedded_again_and_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rows an earlier capd stored from a damaged model (NaN), or torn ones, read as missing; the
+    vector embedded again replaces them. A usable row stays as the first writer stored it."""
+    encoder = CountingEncoder()
+    with VectorCache.open(tmp_path) as cache:
+        cache.put_many(encoder.model_id, [(text_hash("good"), np.full(encoder.dim, 0.5, dtype=np.float32))])
+    nan_row = np.full(encoder.dim, np.nan, dtype="<f4").tobytes()
+    with sqlite3.connect(tmp_path / CACHE_FILE) as conn:
+        conn.executemany("INSERT INTO vectors (model_id, text_hash, dim, vector) VALUES (?, ?, ?, ?)",
+                         [(encoder.model_id, text_hash("nan"), encoder.dim, nan_row),
+                          (encoder.model_id, text_hash("torn"), encoder.dim, nan_row[:10])])
+    with VectorCache.open(tmp_path) as cache, caplog.at_level(logging.WARNING, logger="capd.vectorcache"):
+        embedder = CachedEmbedder(encoder, cache)
+        vectors, embedded, cached = embedder.embed(["nan", "good", "torn"])
+        assert (embedded, cached) == (2, 1) and sorted(encoder.seen) == ["nan", "torn"]
+        np.testing.assert_array_equal(vectors[[0, 2]], HashEncoder(dim=encoder.dim).embed(["nan", "torn"]))
+        assert "2 stored vector(s)" in caplog.text
+        assert embedder.embed(["nan", "good", "torn"])[1:] == (0, 3)  # repaired in place
+        assert cache.counts() == {encoder.model_id: 3}
+    with sqlite3.connect(tmp_path / CACHE_FILE) as conn:
+        stored = dict(conn.execute("SELECT text_hash, vector FROM vectors"))
+    assert np.isfinite(np.frombuffer(stored[text_hash("nan")], dtype="<f4")).all()
+    assert np.all(np.frombuffer(stored[text_hash("good")], dtype="<f4") == 0.5)
