@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -68,6 +67,7 @@ from capd.schemas import (
 from capd.service import Service
 from capd.sessions import check_session_id
 from capd.settings import Settings
+from capd.text import finite
 from capd.watcher import TapWatcher
 
 log = logging.getLogger(__name__)
@@ -111,20 +111,10 @@ def _json(content: Any) -> Response:
     try:
         body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_jsonable)
     except ValueError:  # NaN or inf (a damaged model): null, rather than a 500 or invalid JSON
-        body = json.dumps(_finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+        body = json.dumps(finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":"),
                           default=_jsonable)
     return Response(body.encode("utf-8"), media_type="application/json")
 
-
-def _finite(value: Any) -> Any:
-    """``value`` with every float that is NaN or inf replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _error(status: int, error: str, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -8,11 +8,16 @@ those blocks say nothing about the user's intent, so whole blocks are removed:
 - a self-closing ``<name/>`` is removed;
 - an opening tag that is never closed, a stray closing tag, and comparisons such as
   ``a < b`` stay as text.
+
+Also text that leaves capd: :func:`finite` keeps NaN out of JSON (the CLI's and the API's).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
+from typing import Any
 
 _TAG = re.compile(r"<(/?)([A-Za-z][\w.:-]*)((?:\s+[^<>]*?)?)\s*(/?)>")
 
@@ -68,3 +73,15 @@ def clean_message(message: str, min_chars: int) -> tuple[str, bool]:
     """Return (text to route on, long enough to route)."""
     text = strip_tags(message)
     return text, content_chars(text) >= min_chars
+
+
+def finite(value: Any) -> Any:
+    """``value`` (JSON-shaped) with every float, numpy's included, that is NaN or inf replaced by
+    None: JSON has no NaN, and parsers reject the ``NaN`` Python would print."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value

@@ -81,3 +81,10 @@ def octomind_tap(root: Path) -> Path:
                      default="uv")
     write_capability(tap, "smalltalk", ["tell me about the weather today", "what is the capital of france"])
     return tap
+
+
+def docker_and_postgres(tap: Path) -> Path:
+    """A two-capability tap (two triggers each) for tests that need any small routable tap."""
+    write_capability(tap, "docker", ["list running containers", "restart a container"])
+    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    return tap

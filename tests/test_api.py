@@ -22,7 +22,7 @@ from capd.errors import ModelError
 from capd.service import Service
 from capd.settings import Settings
 from tests.conftest import GatedEncoder, SettingsFactory, isolated_data_dir
-from tests.taputil import octomind_tap, write_capability
+from tests.taputil import docker_and_postgres, octomind_tap
 
 
 @pytest.fixture
@@ -282,8 +282,7 @@ class _PoisonEncoder(HashEncoder):
 
 def test_nan_scores_never_make_a_500_or_invalid_json(settings_factory: SettingsFactory, tmp_path: Path) -> None:
     tap = tmp_path / "tap"
-    write_capability(tap, "docker", ["list running containers", "restart a container"])
-    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    docker_and_postgres(tap)
     app = create_app(settings_factory(taps=(tap,)), encoder=_PoisonEncoder(), watch=False, warm_in_background=False)
     with TestClient(app) as client:
         for path, body in (("/v1/route", {"session": "s", "message": "poison: restart a container"}),
@@ -321,8 +320,7 @@ class _FailingEncoder(HashEncoder):
 def test_a_model_failing_while_serving_is_503_not_the_requests_fault(settings_factory: SettingsFactory,
                                                                      tmp_path: Path) -> None:
     tap = tmp_path / "tap"
-    write_capability(tap, "docker", ["list running containers", "restart a container"])
-    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    docker_and_postgres(tap)
     app = create_app(settings_factory(taps=(tap,)), encoder=_FailingEncoder(), watch=False, warm_in_background=False)
     with TestClient(app) as client:
         response = client.post("/v1/route", json={"session": "s", "message": "broken: restart a container"})

@@ -28,7 +28,7 @@ from capd.service import Service
 from capd.settings import Settings, default_taps
 from capd.taps import load_tap_config
 from tests.conftest import SettingsFactory
-from tests.taputil import write_capability
+from tests.taputil import docker_and_postgres, write_capability
 
 CORE = Path(__file__).resolve().parents[1] / "taps" / "core"
 
@@ -126,8 +126,7 @@ class _CountingTokens(HashEncoder):
 def test_example_tokens_are_cached_with_the_head_and_reused_on_reload(settings_factory: SettingsFactory,
                                                                       tmp_path: Path) -> None:
     tap = tmp_path / "tap"
-    write_capability(tap, "docker", ["list running containers", "restart a container"])
-    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    docker_and_postgres(tap)
     settings = settings_factory(taps=(tap,), rule="fused")
     first = _CountingTokens()
     service = Service(settings, encoder=first).start()
@@ -153,25 +152,35 @@ def test_example_tokens_are_cached_with_the_head_and_reused_on_reload(settings_f
         again.close()
 
 
+@pytest.mark.parametrize("damage", ["cut short", "NaN"])
 def test_a_damaged_head_file_is_refitted_not_fatal(settings_factory: SettingsFactory, tmp_path: Path,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """The head's cache file is only a cache: cut short (a crash, a full disk) it costs a refit."""
+                                                   caplog: pytest.LogCaptureFixture, damage: str) -> None:
+    """The head's cache file is only a cache: cut short (a crash, a full disk) or holding NaN (a
+    head fitted on a damaged model's vectors before capd refused them) it costs a refit."""
     tap = tmp_path / "tap"
-    write_capability(tap, "docker", ["list running containers", "restart a container"])
-    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    docker_and_postgres(tap)
     settings = settings_factory(taps=(tap,), rule="fused")
     with closing(Service(settings, encoder=HashEncoder()).start()) as service:
-        assert service.router.head is not None
-        weight = service.router.head.weight
+        first = service.router.head
+        assert first is not None
     (cached,) = (settings.data_dir / "heads").glob("*.npz")
-    cached.write_bytes(cached.read_bytes()[:1000])
+    if damage == "cut short":
+        cached.write_bytes(cached.read_bytes()[:1000])
+    else:
+        with np.load(cached) as stored:
+            arrays = {name: stored[name] for name in stored.files}
+        arrays["in_class"] = np.full_like(arrays["in_class"], np.nan)
+        with cached.open("wb") as handle:
+            np.savez(handle, **arrays)
     with closing(Service(settings, encoder=HashEncoder()).start()) as again:
-        assert again.router.head is not None and again.router.head.tokens is not None
-        np.testing.assert_allclose(again.router.head.weight, weight)
+        head = again.router.head
+        assert head is not None and head.tokens is not None
+        np.testing.assert_allclose(head.weight, first.weight)
+        np.testing.assert_allclose(head.in_class, first.in_class)
         assert again.route("restart a container please").decision.capability == "docker"
-    assert "ignoring unreadable fused head" in caplog.text
-    with np.load(cached) as stored:  # written again, whole
-        assert stored["weight"].shape == weight.shape
+    assert ("ignoring unreadable fused head" if damage == "cut short" else "NaN or inf") in caplog.text
+    with np.load(cached) as stored:  # written again, whole and finite
+        assert stored["weight"].shape == first.weight.shape and np.isfinite(stored["in_class"]).all()
 
 
 class _CountingPasses(_CountingTokens):
@@ -190,8 +199,7 @@ def test_a_cold_start_runs_the_model_once_per_example(settings_factory: Settings
     """The index's vectors and the second stage's token vectors come from one pass per example
     (``CachedEmbedder.keeping_tokens``): a cold fused start used to embed every example twice."""
     tap = tmp_path / "tap"
-    write_capability(tap, "docker", ["list running containers", "restart a container"])
-    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    docker_and_postgres(tap)
     encoder = _CountingPasses()
     with closing(Service(settings_factory(taps=(tap,), rule="fused", auto_gates=False), encoder=encoder).start()) \
             as service:
@@ -555,8 +563,7 @@ def test_over_the_token_budget_there_is_no_second_stage_and_a_restart_knows(
         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(fused_module, "TOKEN_BUDGET", 3)
     tap = tmp_path / "tap"
-    write_capability(tap, "docker", ["list running containers", "restart a container"])
-    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    docker_and_postgres(tap)
     settings = settings_factory(taps=(tap,), rule="fused")
     for attempt in ("first start", "restart"):
         encoder = _CountingTokens()
@@ -569,26 +576,3 @@ def test_over_the_token_budget_there_is_no_second_stage_and_a_restart_knows(
         finally:
             service.close()
     assert "no second stage" in caplog.text
-
-
-def test_a_head_file_holding_nan_is_refitted(settings_factory: SettingsFactory, tmp_path: Path,
-                                             caplog: pytest.LogCaptureFixture) -> None:
-    """A head fitted on a damaged model's NaN vectors (before capd refused them) is not reused."""
-    tap = tmp_path / "tap"
-    write_capability(tap, "docker", ["list running containers", "restart a container"])
-    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
-    settings = settings_factory(taps=(tap,), rule="fused")
-    with closing(Service(settings, encoder=HashEncoder()).start()) as service:
-        assert service.router.head is not None
-        in_class = service.router.head.in_class
-    (cached,) = (settings.data_dir / "heads").glob("*.npz")
-    with np.load(cached) as stored:
-        arrays = {name: stored[name] for name in stored.files}
-    arrays["in_class"] = np.full_like(arrays["in_class"], np.nan)
-    with cached.open("wb") as handle:
-        np.savez(handle, **arrays)
-    with closing(Service(settings, encoder=HashEncoder()).start()) as again:
-        assert again.router.head is not None
-        np.testing.assert_allclose(again.router.head.in_class, in_class)
-        assert again.route("restart a container please").decision.capability == "docker"
-    assert "NaN or inf" in caplog.text

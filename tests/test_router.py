@@ -17,7 +17,7 @@ from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
 from tests.conftest import SettingsFactory
-from tests.taputil import octomind_tap, write_capability
+from tests.taputil import docker_and_postgres, octomind_tap
 
 
 def test_gate_reasons() -> None:
@@ -157,8 +157,7 @@ def test_nan_clears_no_gate() -> None:
 def test_a_message_the_model_gives_nan_for_never_activates(rule: str, settings_factory: SettingsFactory,
                                                            tmp_path: Path) -> None:
     tap = tmp_path / "tap"
-    write_capability(tap, "docker", ["list running containers", "restart a container"])
-    write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    docker_and_postgres(tap)
     settings = settings_factory(taps=(tap,), rule=rule, threshold=-5.0, margin=-5.0, auto_gates=False)
     with closing(Service(settings, encoder=PoisonEncoder()).start()) as service:
         assert service.router.route("restart a container").decision == "activate"  # the gates let anything through

@@ -7,8 +7,6 @@ Exit codes (decided here only): 0 ok, 1 error or below a floor, 2 usage,
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +16,7 @@ import click
 
 from capd.errors import CapdError, DaemonUnreachable
 from capd.settings import Settings, check_setting, load_settings
-from capd.text import surrogate_at
+from capd.text import finite, surrogate_at
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -160,16 +158,6 @@ def emit_json(value: Any) -> None:
     as the ``NaN`` that JSON parsers reject."""
     click.echo(json.dumps(finite(value), indent=2, ensure_ascii=False, allow_nan=False, default=str))
 
-
-def finite(value: Any) -> Any:
-    """``value`` with every float (numpy's included) that is NaN or inf replaced by None."""
-    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> Failed:
