@@ -324,8 +324,13 @@ class Service:
         (one that does not load is set aside, so that start() tunes it again)."""
         key, _, _ = self._tuning_target(catalog)
         path = tuned_dir(self.settings.data_dir, key)
-        if is_tuned(path) and not self._switch_encoder(path, key):
+        if not is_tuned(path):
+            return
+        previous = self.encoder
+        if self._switch_encoder(path, key) is None:
             set_aside(path, self.tuning.error or "it does not load")
+            return
+        self._switched(path, key, previous)  # nothing was published with the previous one yet
 
     def tuned_model(self, catalog: Catalog) -> Path:
         """The tuned model's directory for ``catalog``, tuned now (blocking) unless cached: for
@@ -418,38 +423,64 @@ class Service:
         self._tune_timer.daemon = True
         self._tune_timer.start()
 
-    def _switch_encoder(self, path: Path, key: str) -> bool:
+    def _switch_encoder(self, path: Path, key: str) -> Callable[[], None] | None:
         """Point the encoder, embedder and index at the tuned model in ``path`` (under the lock;
-        the caller publishes). The encoder it replaces is closed once requests holding it finish."""
+        the caller publishes). Returns what undoes it (None: the model does not load); the encoder
+        it replaces is the caller's to :meth:`_retire` once the switch is published."""
         try:
             tuned = open_encoder(dataclasses.replace(self.settings, model=str(path)))
         except Exception as exc:
             self.tuning.status, self.tuning.error = "failed", f"cannot load the tuned model {path}: {exc}"
             log.error("%s", self.tuning.error)
-            return False
+            return None
         assert self._cache is not None
-        old = self.encoder
+        before = (self.encoder, self.embedder, self.index, self.tuning.key, self.tuning.model, self.tuning.status)
         self.encoder = MicroBatcher(tuned)
         self.embedder = CachedEmbedder(self.encoder, self._cache)
         self.index = TriggerIndex(self.encoder.dim)
         self.tuning.key, self.tuning.model, self.tuning.error = key, str(path), None
         self.tuning.status = "ready" if key == self.tuning.wanted or self.tuning.wanted is None else "stale"
-        log.info("routing with the tuned model %s", path)
-        prune(self.settings.data_dir, key)
+
+        def undo() -> None:
+            switched = self.encoder
+            self.encoder, self.embedder, self.index, self.tuning.key, self.tuning.model, self.tuning.status = before
+            self._retire(switched)
+
+        return undo
+
+    def _retire(self, old: Encoder | None) -> None:
+        """Close an encoder once requests already holding it are done (:data:`RETIRE_DELAY`)."""
         if isinstance(old, MicroBatcher):
             retire = threading.Timer(RETIRE_DELAY, old.close)
             retire.daemon = True
             retire.start()
-        return True
 
     def _use_tuned(self, path: Path, key: str) -> bool:
         """Swap in the tuned model: embed every example with it and publish, under the lock.
-        False when it does not load."""
+        False when it does not load, or when publishing with it fails (e.g. the model gives
+        non-finite vectors): then the served snapshot, which still routes with the model it had,
+        keeps that model, and the tuned one is retired."""
         with self._lock:
-            if self._closed or not self._switch_encoder(path, key):
+            if self._closed:
                 return False
-            self._publish(self.catalog_now())
+            previous = self.encoder
+            undo = self._switch_encoder(path, key)
+            if undo is None:
+                return False
+            try:
+                self._publish(self.catalog_now())
+            except Exception as exc:
+                undo()
+                self.tuning.status, self.tuning.error = "failed", f"cannot route with the tuned model {path}: {exc}"
+                log.error("%s", self.tuning.error)
+                return False
+            self._switched(path, key, previous)
             return True
+
+    def _switched(self, path: Path, key: str, previous: Encoder | None) -> None:
+        log.info("routing with the tuned model %s", path)
+        prune(self.settings.data_dir, key)
+        self._retire(previous)
 
     # -- learning from corrections ---------------------------------------------------------
 

@@ -89,13 +89,15 @@ Batcher = Callable[[list[Pair], int, random.Random], list[list[Pair]]]
 
 def groups_for(catalog: Catalog) -> Groups:
     """Each capability's examples under the fused rule, for capabilities with at least two
-    (one example has no partner to be pulled towards)."""
+    (one example has no partner to be pulled towards), sorted by name: :func:`tuning_key` does
+    not depend on the taps' order, so neither may what is trained under it (within one tap the
+    catalog is already in this order)."""
     out = []
     for capability in catalog:
         texts = list(example_texts(capability, "fused"))
         if len(texts) > 1:
             out.append((capability.name, texts))
-    return out
+    return sorted(out)
 
 
 def tuning_key(base_weights_sha: str, groups: Groups, recipe: Recipe = RECIPE) -> str:

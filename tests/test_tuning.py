@@ -79,6 +79,10 @@ def test_key_follows_the_examples_not_their_order(tmp_path: Path) -> None:
     assert tuning_key("other-weights", groups) != key
     edited = [(n, [*t[:-1], t[-1] + "!"]) if n == "docker" else (n, t) for n, t in groups]
     assert tuning_key("sha", edited) != key
+    # two taps in either order: the same key, so the same training data in the same order
+    first, second = write_tap(tmp_path / "a", {"zebra": TRIGGERS["docker"]}), write_tap(tmp_path / "b", TRIGGERS)
+    both = groups_for(load_catalog([first, second]))
+    assert both == groups_for(load_catalog([second, first])) and both[-1][0] == "zebra"
 
 
 def test_a_tuning_finished_twice_keeps_the_first_copy(tmp_path: Path) -> None:

@@ -130,6 +130,34 @@ def test_a_tuning_outdated_by_an_edit_while_it_ran_is_not_loaded(tuned_settings:
         service.close()
 
 
+def test_a_tuned_model_that_fails_to_publish_leaves_the_served_model_in_place(
+        tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishing with the tuned model can fail after the switch (e.g. it gives non-finite
+    vectors): the encoder, embedder and index used to stay switched while the served snapshot
+    still routed with the old model, which was closed 30 s later."""
+    monkeypatch.setattr(service_module, "TUNE_DELAY", 60.0)
+    gate = threading.Event()
+    monkeypatch.setattr(service_module, "run_child", fake_tuning([], gate))
+    service = Service(tuned_settings, sessions=True).start()
+    try:
+        before, publish = service.encoder, service._publish
+
+        def failing(catalog: Any) -> Any:
+            if service.tuning.key is not None:  # the tuned model is switched in
+                raise CapdError("the model gave non-finite vectors")
+            return publish(catalog)
+
+        monkeypatch.setattr(service, "_publish", failing)
+        gate.set()
+        wait_idle(service)
+        assert service.tuning.status == "failed" and service.tuning.key is None, service.tuning
+        assert "cannot route with the tuned model" in str(service.tuning.error)
+        assert service.encoder is before and service.route("list running containers").decision.capability == "docker"
+    finally:
+        gate.set()
+        service.close()
+
+
 def test_one_shot_commands_fail_when_the_tuning_asked_for_does_not_happen(tuned_settings: Settings) -> None:
     (tuned_settings.data_dir / "tuned").write_text("a file where the tuned models go", encoding="utf-8")
     result = CliRunner().invoke(main, ["route", "list running containers", "--tap", str(tuned_settings.taps[0]),
