@@ -192,11 +192,12 @@ def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
     sweep(root)
     try:
         os.utime(root / keep / MARKER)
-        found = [d for d in root.iterdir() if not d.name.startswith(".") and is_tuned(d)]
-        found.sort(key=lambda d: (d.name == keep, (d / MARKER).stat().st_mtime), reverse=True)
+        used = {d: _used(d) for d in root.iterdir() if not d.name.startswith(".")}
     except OSError as exc:
         log.warning("cannot list tuned models in %s: %s", root, exc)
         return []
+    found = sorted((d for d, when in used.items() if when is not None),
+                   key=lambda d: (d.name == keep, used[d]), reverse=True)
     removed = []
     for directory in found[max(retain, 1):]:
         weights = directory / "model.safetensors"
@@ -204,11 +205,23 @@ def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
             if weights.is_file():
                 shutil.rmtree(onnx_dir(data_dir, sha256_file(weights)), ignore_errors=True)
             shutil.rmtree(directory)
-            directory.with_name(f".{directory.name}.lock").unlink(missing_ok=True)
-            removed.append(directory)
+        except FileNotFoundError:  # another process sharing the data directory pruned it first
+            pass
         except OSError as exc:
             log.warning("cannot remove the superseded tuned model %s: %s", directory, exc)
+            continue
+        directory.with_name(f".{directory.name}.lock").unlink(missing_ok=True)
+        removed.append(directory)
     return removed
+
+
+def _used(directory: Path) -> float | None:
+    """When a tuned model was last used (its marker's mtime); None if it is not a complete one, or
+    is gone (another process pruned it meanwhile)."""
+    try:
+        return (directory / MARKER).stat().st_mtime
+    except OSError:
+        return None
 
 
 def pairs(groups: Groups, per_example: int, rng: random.Random) -> list[Pair]:

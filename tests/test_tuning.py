@@ -7,17 +7,20 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 import capd.service as service_module
+import capd.tuning as tuning
 from benchmarks.quality.tune_trial import hard_batches
 from capd.cli import main
 from capd.encoder import Encoder
@@ -119,6 +122,30 @@ def test_prune_keeps_the_most_recent_and_their_onnx_exports(tmp_path: Path) -> N
     assert sorted(p.name for p in removed) == ["k1", "k2"]
     assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == [f".k9.{os.getpid()}.tmp", "k0", "k3", "k4"]
     assert len(list((tmp_path / "onnx").iterdir())) == 3
+
+
+def test_prune_racing_another_process_neither_warns_nor_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Two processes pruning one data directory: the one that finds a model already gone said
+    "cannot remove the superseded tuned model … No such file" and left the rest in place."""
+    for i in range(5):
+        directory = tuned_dir(tmp_path, f"k{i}")
+        directory.mkdir(parents=True)
+        (directory / MARKER).write_text("{}", encoding="utf-8")
+        time.sleep(0.01)
+    real = shutil.rmtree
+    beaten: list[str] = []
+
+    def other_process_first(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name == "k1" and not beaten:  # the other process removes it between listing and here
+            beaten.append(Path(path).name)
+            real(path)
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(tuning.shutil, "rmtree", other_process_first)
+    assert sorted(p.name for p in prune(tmp_path, "k0", retain=2)) == ["k1", "k2", "k3"]
+    assert beaten == ["k1"] and "cannot remove" not in caplog.text
+    assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == ["k0", "k4"]
 
 
 # -- the real model -----------------------------------------------------------------------------
