@@ -313,6 +313,10 @@ class Service:
 
     # -- tuning (capd/tuning.py) ------------------------------------------------------------
 
+    def wanted_key(self, catalog: Catalog) -> str:
+        """The tuned model's key for ``catalog`` (its directory under ``<data>/tuned/``)."""
+        return self._tuning_target(catalog)[0]
+
     def _tuning_target(self, catalog: Catalog) -> tuple[str, list[tuple[str, list[str]]], Path]:
         """The tuning key for ``catalog``, its training groups and the base model's directory."""
         groups = groups_for(catalog)

@@ -192,12 +192,10 @@ def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
     sweep(root)
     try:
         os.utime(root / keep / MARKER)
-        used = {d: _used(d) for d in root.iterdir() if not d.name.startswith(".")}
     except OSError as exc:
-        log.warning("cannot list tuned models in %s: %s", root, exc)
+        log.warning("cannot mark the tuned model %s as used: %s", root / keep, exc)
         return []
-    found = sorted((d for d, when in used.items() if when is not None),
-                   key=lambda d: (d.name == keep, used[d]), reverse=True)
+    found = sorted((d for d, _ in _by_use(root)), key=lambda d: d.name == keep, reverse=True)  # stable: by use
     removed = []
     for directory in found[max(retain, 1):]:
         weights = directory / "model.safetensors"
@@ -222,6 +220,31 @@ def _used(directory: Path) -> float | None:
         return (directory / MARKER).stat().st_mtime
     except OSError:
         return None
+
+
+def listing(data_dir: Path) -> list[dict[str, Any]]:
+    """The complete tuned models in ``data_dir``, most recently used first: key, path, last use
+    (the marker's mtime, which :func:`prune` goes by), size on disk and the training summary."""
+    rows = []
+    for directory, when in _by_use(data_dir / "tuned"):
+        try:
+            summary = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+            size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        except (OSError, ValueError):
+            continue  # removed meanwhile, or not readable: not a model anyone can use
+        rows.append({"key": directory.name, "path": str(directory), "last_used": when, "bytes": size,
+                     **{k: summary.get(k) for k in ("capabilities", "examples", "steps", "seconds")}})
+    return rows
+
+
+def _by_use(root: Path) -> list[tuple[Path, float]]:
+    """Complete tuned models under ``root`` with their last use, most recent first."""
+    try:
+        entries = [d for d in root.iterdir() if not d.name.startswith(".")]
+    except OSError:
+        return []
+    used = [(d, when) for d in entries if (when := _used(d)) is not None]
+    return sorted(used, key=lambda item: item[1], reverse=True)
 
 
 def pairs(groups: Groups, per_example: int, rng: random.Random) -> list[Pair]:

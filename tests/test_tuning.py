@@ -148,6 +148,28 @@ def test_prune_racing_another_process_neither_warns_nor_stops(tmp_path: Path, mo
     assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == ["k0", "k4"]
 
 
+def test_tune_list_shows_the_tuned_models_and_marks_the_taps_own(tmp_path: Path, model_settings: Settings) -> None:
+    tap = write_tap(tmp_path / "tap")
+    settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(tap,), tune=True)
+    wanted = Service(settings).wanted_key(load_catalog([tap]))
+    for i, key in enumerate(["older", wanted]):
+        directory = tuned_dir(settings.data_dir, key)
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(b"w" * 1000)
+        (directory / MARKER).write_text(json.dumps({"capabilities": 3, "examples": 18, "steps": 9 + i}))
+        time.sleep(0.01)
+    (settings.data_dir / "tuned" / ".k.123.tmp").mkdir()  # not a model
+    args = ["tune", "--list", "--tap", str(tap), "--data-dir", str(settings.data_dir)]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["tuned"]
+    assert [(r["key"], r["current"], r["steps"]) for r in rows] == [(wanted, True, 10), ("older", False, 9)]
+    assert rows[0]["bytes"] > 1000
+    assert sorted(p.name for p in (settings.data_dir / "tuned").iterdir()) == sorted([".k.123.tmp", "older", wanted])
+    text = CliRunner().invoke(main, args).stdout
+    assert text.startswith(f"* {wanted}") and "3 capabilities, 18 examples, 9 steps" in text
+
+
 # -- the real model -----------------------------------------------------------------------------
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -12,14 +14,19 @@ from capd.cli.common import EXIT_ERROR, Failed, build_settings, emit_json, setti
 
 @click.command()
 @settings_options
+@click.option("--list", "listing", is_flag=True,
+              help="List the tuned models in the data directory instead (the taps' own is marked *).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
-         backend: str | None, as_json: bool) -> None:
+         backend: str | None, listing: bool, as_json: bool) -> None:
     """Tune a copy of the model on the taps' examples and cache it in the data directory.
 
     Routing uses it when `tune = true` (config) or CAPD_TUNE=true. The daemon tunes by itself
     in the background when a tap changes; this command does it now, in the foreground (seconds
     for a few capabilities, a few minutes for a hundred). Nothing in the taps is modified.
+
+    With --list nothing is tuned: each tuned model in the data directory with its last use, size
+    and training summary. capd keeps the 3 most recently used; remove one with `rm -r PATH`.
 
     Example: capd tune --tap taps/core
     """
@@ -27,6 +34,9 @@ def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mod
 
     settings = dataclasses.replace(build_settings(config, taps=taps, data_dir=data_dir, model=model,
                                                   backend=backend), tune=True)
+    if listing:
+        _list(Service(settings), as_json)
+        return
     service = Service(settings).start()
     try:
         state = service.tuning.as_dict()
@@ -40,3 +50,23 @@ def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mod
         click.echo("route with it: set `tune = true` in the config file, or CAPD_TUNE=true")
     if state["status"] != "ready":
         raise Failed(f"tuning did not complete: {state['error'] or state['status']}", EXIT_ERROR)
+
+
+def _list(service: Any, as_json: bool) -> None:
+    from capd.taps import load_catalog
+    from capd.tuning import listing
+
+    settings = service.settings
+    wanted = service.wanted_key(load_catalog(settings.taps)) if settings.taps else None
+    rows = [{**row, "current": row["key"] == wanted} for row in listing(settings.data_dir)]
+    if as_json:
+        emit_json({"data_dir": str(settings.data_dir), "wanted": wanted, "tuned": rows})
+        return
+    for row in rows:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["last_used"]))
+        click.echo(f"{'*' if row['current'] else ' '} {row['key']}  used {used}  {row['bytes'] / 1e6:6.1f} MB  "
+                   f"{row['capabilities']} capabilities, {row['examples']} examples, {row['steps']} steps  "
+                   f"{row['path']}")
+    if not any(row["current"] for row in rows):
+        click.echo(f"no tuned model for these taps yet ({wanted}): capd tune" if wanted else
+                   f"{len(rows)} tuned model{'s' if len(rows) != 1 else ''}")
