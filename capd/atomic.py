@@ -5,7 +5,8 @@ tap's ``capd.toml``) is written to a temporary file beside it and then renamed o
 sees the old file or the new one, never half of one. The temporary name is unique per write: two
 processes that fit the same head at once (a daemon and a ``capd eval`` on one data directory) each
 write their own file, and the last rename wins. With one shared temporary name their writes
-interleaved in one file, and a reader got a zip with a bad CRC.
+interleaved in one file, and a reader got a zip with a bad CRC. A temporary left by a killed
+writer is recognised by the dead process id in its name (:func:`process_alive`).
 """
 
 from __future__ import annotations
@@ -40,3 +41,15 @@ def write_text(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` (UTF-8) at once (:func:`replacing`)."""
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (someone else's counts): a temporary file or directory
+    whose name carries a PID that is gone was left by a killed writer and may be removed."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True

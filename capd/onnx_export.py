@@ -145,14 +145,8 @@ def _remove_orphaned_scratch() -> None:
     their cleanup); each directory's name carries its process id."""
     for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
         pid = path.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and int(pid) != os.getpid() and not atomic.process_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # alive, owned by someone else
-            pass
 
 
 def sweep(directory: Path, wait: bool | None) -> int:

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from capd.atomic import process_alive
 from capd.catalog import Catalog
 from capd.errors import CapdError, ModelError
 from capd.models import quiet_progress_bars
@@ -129,16 +130,6 @@ def set_aside(directory: Path, why: str) -> Path | None:
     return aside
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def sweep(root: Path) -> list[Path]:
     """Remove the scratch directories (``.KEY.PID.tmp``) and specs (``.KEY.PID.spec.json``) of
     tuning runs whose process is gone (killed while saving, a full disk, a killed daemon)."""
@@ -149,7 +140,7 @@ def sweep(root: Path) -> list[Path]:
         return []
     for entry in entries:
         match = LEFTOVER.fullmatch(entry.name)
-        if match is None or _alive(int(match["pid"])):
+        if match is None or process_alive(int(match["pid"])):
             continue
         try:
             if entry.is_dir():

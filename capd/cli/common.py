@@ -160,6 +160,12 @@ def emit_json(value: Any) -> None:
 
 
 
+def tuning_not_done(reason: str) -> Failed:
+    """A one-shot command asked to tune (``tune = true``) whose tuning did not happen: it fails
+    rather than route, score or calibrate with the untuned model."""
+    return Failed(f"tuning was asked for (tune = true / CAPD_TUNE) and did not happen: {reason}")
+
+
 def fail(message: str, code: int = EXIT_ERROR) -> Failed:
     return Failed(message, code)
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from capd.cli.common import EXIT_ERROR, Failed, build_settings, emit_json, settings_options, stderr
+from capd.cli.common import EXIT_ERROR, build_settings, emit_json, settings_options, stderr, tuning_not_done
 from capd.errors import CapdError, ModelError
 from capd.models import ModelManifest, availability, load_manifests, manifest_for, resolve
 
@@ -121,7 +121,7 @@ def _tuned_model(settings: Settings, catalog: Catalog) -> Path | None:
     try:
         return Path(Service(settings).tuned_model(catalog))
     except (CapdError, OSError) as exc:
-        raise Failed(f"tuning was asked for (tune = true / CAPD_TUNE) and did not happen: {exc}") from None
+        raise tuning_not_done(str(exc)) from None
 
 
 def _unstored(cache: VectorCache, model_id: str, hashes: set[str]) -> int:

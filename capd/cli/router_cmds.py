@@ -19,6 +19,7 @@ from capd.cli.common import (
     setting_rule,
     settings_options,
     tap_only,
+    tuning_not_done,
     write_file,
 )
 from capd.cli.daemon_cmds import client_for
@@ -40,8 +41,7 @@ def _service(settings: Settings) -> Any:
     if tuning.enabled and tuning.status != "ready":
         # routing, scores and gates (`calibrate --write`) would silently be the untuned model's
         service.close()
-        raise Failed(f"tuning was asked for (tune = true / CAPD_TUNE) and did not happen: "
-                     f"{tuning.error or tuning.status}")
+        raise tuning_not_done(tuning.error or tuning.status)
     return service
 
 
