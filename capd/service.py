@@ -52,7 +52,7 @@ from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
 from capd.text import clean_message
-from capd.tuning import RECIPE, Recipe, groups_for, is_tuned, prune, run_child, set_aside, tuned_dir, tuning_key
+from capd.tuning import RECIPE, InUse, Recipe, groups_for, is_tuned, prune, run_child, set_aside, tuned_dir, tuning_key
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class Service:
         self._tune_thread: threading.Thread | None = None
         self._tune_child: list[subprocess.Popen[bytes]] = []
         self._tuning_now: str | None = None  # the key a tuning run in this process is training
+        self._holds: list[tuple[Encoder, InUse]] = []  # tuned models in use, with the encoder using each
         self._closed = False
         self.tune_recipe: Recipe = RECIPE  # tests use a shorter one
 
@@ -215,8 +216,7 @@ class Service:
             if child.poll() is None:
                 child.kill()
         with self._lock:  # a reload or learning pass already under way finishes before its stores close
-            if isinstance(self.encoder, MicroBatcher):
-                self.encoder.close()
+            self._close_encoder(self.encoder)
             if self.learned is not None:
                 self.learned.close()
 
@@ -431,15 +431,20 @@ class Service:
         """Point the encoder, embedder and index at the tuned model in ``path`` (under the lock;
         the caller publishes). Returns what undoes it (None: the model does not load); the encoder
         it replaces is the caller's to :meth:`_retire` once the switch is published."""
+        hold = InUse(path)  # first: from here on no other process prunes it
         try:
+            if not is_tuned(path):
+                raise ModelError("another process removed it")
             tuned = open_encoder(dataclasses.replace(self.settings, model=str(path)))
         except Exception as exc:
+            hold.release()
             self.tuning.status, self.tuning.error = "failed", f"cannot load the tuned model {path}: {exc}"
             log.error("%s", self.tuning.error)
             return None
         assert self._cache is not None
         before = (self.encoder, self.embedder, self.index, self.tuning.key, self.tuning.model, self.tuning.status)
         self.encoder = MicroBatcher(tuned)
+        self._holds.append((self.encoder, hold))
         self.embedder = CachedEmbedder(self.encoder, self._cache)
         self.index = TriggerIndex(self.encoder.dim)
         self.tuning.key, self.tuning.model, self.tuning.error = key, str(path), None
@@ -455,9 +460,20 @@ class Service:
     def _retire(self, old: Encoder | None) -> None:
         """Close an encoder once requests already holding it are done (:data:`RETIRE_DELAY`)."""
         if isinstance(old, MicroBatcher):
-            retire = threading.Timer(RETIRE_DELAY, old.close)
+            retire = threading.Timer(RETIRE_DELAY, self._close_encoder, args=(old,))
             retire.daemon = True
             retire.start()
+
+    def _close_encoder(self, encoder: Encoder | None) -> None:
+        """Close ``encoder`` and let go of the tuned model it routed with (:class:`InUse`)."""
+        if isinstance(encoder, MicroBatcher):
+            encoder.close()
+        for pair in [pair for pair in self._holds if pair[0] is encoder]:
+            try:
+                self._holds.remove(pair)
+            except ValueError:
+                continue  # another thread let go of it first
+            pair[1].release()
 
     def _use_tuned(self, path: Path, key: str) -> bool:
         """Swap in the tuned model: embed every example with it and publish, under the lock.

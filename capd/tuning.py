@@ -27,6 +27,12 @@ A per-key lock (``tuned/.KEY.lock``, ``flock``) lets one process train a key at 
 one waits and then uses its result. The kernel drops the lock when its holder dies, so a
 crashed holder never blocks anyone. Leftovers of killed runs (``.KEY.PID.tmp``,
 ``.KEY.PID.spec.json``) are swept at the next tuning or prune once their PID is gone.
+
+In use: a process routing with a tuned model holds a shared lock on ``tuned/.KEY.inuse``
+(:class:`InUse`) for as long as it does, and marks the model as used when it lets go. Neither
+:func:`prune` nor :func:`remove` (``capd tune --remove``) touches a model someone holds, so a
+long-running daemon's model survives any number of newer tunings by other processes sharing
+its data directory; the kernel drops the lock of a process that dies.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from capd.atomic import process_alive
 from capd.catalog import Catalog
@@ -169,16 +175,98 @@ def key_lock(out: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _in_use_path(directory: Path) -> Path:
+    return directory.with_name(f".{directory.name}.inuse")
+
+
+def _lock_file(directory: Path, mode: int) -> BinaryIO | None:
+    """``tuned/.KEY.inuse`` opened and locked in ``mode`` (``LOCK_SH``, or ``LOCK_EX | LOCK_NB``:
+    None if someone holds it). A remover unlinks the file while it holds it, so the lock taken
+    must be on the file still at that path: otherwise open it again."""
+    path = _in_use_path(directory)
+    while True:
+        handle = open(path, "a+b")  # noqa: SIM115 - the caller keeps it open: that is the lock
+        try:
+            fcntl.flock(handle, mode)
+        except BlockingIOError:
+            handle.close()
+            return None
+        try:
+            same = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return handle
+        handle.close()
+
+
+class InUse:
+    """A shared hold on the tuned model in ``directory`` while this process routes with it:
+    :func:`prune` and :func:`remove` leave it alone until :meth:`release`, which also marks it
+    as used now (so "last used" means the last moment anyone routed with it). Without a
+    writable ``tuned/`` the model is still used, only unprotected (logged)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        try:
+            self._handle = _lock_file(directory, fcntl.LOCK_SH)
+        except OSError as exc:
+            self._handle = None
+            log.warning("cannot mark the tuned model %s as in use (other processes may prune it): %s",
+                        directory, exc)
+
+    def release(self) -> None:
+        if self._handle is None:
+            return
+        with contextlib.suppress(OSError):
+            os.utime(self.directory / MARKER)
+        self._handle.close()  # closing the file drops the lock
+        self._handle = None
+
+
+def in_use(directory: Path) -> bool:
+    """Whether some process holds the tuned model in ``directory`` (:class:`InUse`); creates nothing."""
+    try:
+        with open(_in_use_path(directory), "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # dropped as the file closes
+    except BlockingIOError:
+        return True
+    except OSError:  # no lock file: nobody ever held it
+        return False
+    return False
+
+
+def _delete(data_dir: Path, directory: Path) -> bool:
+    """Remove a tuned model and its ONNX export unless a process holds it (False then).
+    Raises OSError when it cannot be removed; one already gone counts as removed."""
+    from capd.models import sha256_file
+    from capd.onnx_export import onnx_dir
+
+    handle = _lock_file(directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if handle is None:
+        return False
+    try:
+        weights = directory / "model.safetensors"
+        try:
+            if weights.is_file():
+                shutil.rmtree(onnx_dir(data_dir, sha256_file(weights)), ignore_errors=True)
+            shutil.rmtree(directory)
+        except FileNotFoundError:  # another process sharing the data directory removed it first
+            pass
+        for suffix in (".lock", ".inuse"):
+            directory.with_name(f".{directory.name}{suffix}").unlink(missing_ok=True)
+    finally:
+        handle.close()
+    return True
+
+
 def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
     """Mark ``keep`` as just used and remove all but the ``retain`` most recently used tuned
-    models (and their ONNX exports); returns what went.
+    models (and their ONNX exports), sparing any a process is routing with; returns what went.
 
     Several capd processes may share a data directory (a daemon, ``capd eval`` on another
     tap), so the models of the last few tap states are kept rather than only the current one.
     """
-    from capd.models import sha256_file
-    from capd.onnx_export import onnx_dir
-
     root = data_dir / "tuned"
     sweep(root)
     try:
@@ -189,19 +277,34 @@ def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
     found = sorted((d for d, _ in _by_use(root)), key=lambda d: d.name == keep, reverse=True)  # stable: by use
     removed = []
     for directory in found[max(retain, 1):]:
-        weights = directory / "model.safetensors"
         try:
-            if weights.is_file():
-                shutil.rmtree(onnx_dir(data_dir, sha256_file(weights)), ignore_errors=True)
-            shutil.rmtree(directory)
-        except FileNotFoundError:  # another process sharing the data directory pruned it first
-            pass
+            if _delete(data_dir, directory):
+                removed.append(directory)
         except OSError as exc:
             log.warning("cannot remove the superseded tuned model %s: %s", directory, exc)
-            continue
-        directory.with_name(f".{directory.name}.lock").unlink(missing_ok=True)
-        removed.append(directory)
     return removed
+
+
+def remove(data_dir: Path, name: str) -> Path:
+    """``capd tune --remove NAME``: remove the tuned model whose directory under ``tuned/`` is
+    ``name`` or the one that starts with it (its ONNX export too); returns its path. Raises
+    CapdError for no match, several matches, or a model a running process routes with."""
+    root = data_dir / "tuned"
+    names = [d.name for d, _ in _by_use(root)]
+    matches = [n for n in names if n == name] or [n for n in names if name and n.startswith(name)]
+    if not matches:
+        raise CapdError(f"no tuned model {name!r} in {root} (capd tune --list shows them)")
+    if len(matches) > 1:
+        raise CapdError(f"{name!r} names {len(matches)} tuned models ({', '.join(sorted(matches))}); "
+                        "give more of the key")
+    directory = root / matches[0]
+    try:
+        if not _delete(data_dir, directory):
+            raise CapdError(f"the tuned model {directory} is in use by a running capd process; "
+                              "stop it, or change its taps, first")
+    except OSError as exc:
+        raise CapdError(f"cannot remove the tuned model {directory}: {exc}") from exc
+    return directory
 
 
 def _used(directory: Path) -> float | None:
@@ -215,7 +318,8 @@ def _used(directory: Path) -> float | None:
 
 def listing(data_dir: Path) -> list[dict[str, Any]]:
     """The complete tuned models in ``data_dir``, most recently used first: key, path, last use
-    (the marker's mtime, which :func:`prune` goes by), size on disk and the training summary."""
+    (the marker's mtime, which :func:`prune` goes by), size on disk, whether a process is routing
+    with it now, and the training summary."""
     rows = []
     for directory, when in _by_use(data_dir / "tuned"):
         try:
@@ -224,6 +328,7 @@ def listing(data_dir: Path) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue  # removed meanwhile, or not readable: not a model anyone can use
         rows.append({"key": directory.name, "path": str(directory), "last_used": when, "bytes": size,
+                     "in_use": in_use(directory),
                      **{k: summary.get(k) for k in ("capabilities", "examples", "steps", "seconds")}})
     return rows
 

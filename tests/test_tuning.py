@@ -4,10 +4,13 @@ tuned model separates unseen messages of a tap's capabilities better than the un
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -24,6 +27,7 @@ import capd.tuning as tuning
 from benchmarks.quality.tune_trial import hard_batches
 from capd.cli import main
 from capd.encoder import Encoder
+from capd.errors import CapdError
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
@@ -104,24 +108,91 @@ def test_a_tuning_finished_twice_keeps_the_first_copy(tmp_path: Path) -> None:
     assert is_tuned(out) and (out / "model.safetensors").read_text(encoding="utf-8") == "weights 1"
 
 
-def test_prune_keeps_the_most_recent_and_their_onnx_exports(tmp_path: Path) -> None:
+def fake_models(data_dir: Path, keys: list[str]) -> list[Path]:
+    """Complete-looking tuned models (weights, marker, an ONNX export dir), oldest first."""
     from capd.models import sha256_file
     from capd.onnx_export import onnx_dir
 
     made = []
-    for i in range(5):
-        directory = tuned_dir(tmp_path, f"k{i}")
+    for key in keys:
+        directory = tuned_dir(data_dir, key)
         directory.mkdir(parents=True)
-        (directory / "model.safetensors").write_bytes(f"weights {i}".encode())
+        (directory / "model.safetensors").write_bytes(f"weights {key}".encode())
         (directory / MARKER).write_text("{}", encoding="utf-8")
-        onnx_dir(tmp_path, sha256_file(directory / "model.safetensors")).mkdir(parents=True)
+        onnx_dir(data_dir, sha256_file(directory / "model.safetensors")).mkdir(parents=True)
         made.append(directory)
         time.sleep(0.01)
+    return made
+
+
+@contextlib.contextmanager
+def held_elsewhere(directory: Path) -> Iterator[None]:
+    """Another process routing with the tuned model in ``directory`` (it holds InUse)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from capd.tuning import InUse
+hold = InUse(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(60)
+"""
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_prune_keeps_the_most_recent_and_their_onnx_exports(tmp_path: Path) -> None:
+    fake_models(tmp_path, [f"k{i}" for i in range(5)])
     (tmp_path / "tuned" / f".k9.{os.getpid()}.tmp").mkdir()  # a tuning run in progress is left alone
     removed = prune(tmp_path, "k0", retain=3)
     assert sorted(p.name for p in removed) == ["k1", "k2"]
     assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == [f".k9.{os.getpid()}.tmp", "k0", "k3", "k4"]
     assert len(list((tmp_path / "onnx").iterdir())) == 3
+
+
+def test_prune_spares_a_model_another_process_routes_with(tmp_path: Path) -> None:
+    """A long-running daemon's model, older than the last 3 used: newer tunings by other
+    processes on the data directory removed it from under the daemon."""
+    k0, k1, *_ = fake_models(tmp_path, [f"k{i}" for i in range(5)])
+    with held_elsewhere(k0):
+        assert tuning.listing(tmp_path)[-1] == {**tuning.listing(tmp_path)[-1], "key": "k0", "in_use": True}
+        assert sorted(p.name for p in prune(tmp_path, "k4", retain=2)) == ["k1", "k2"]
+        assert is_tuned(k0) and len(list((tmp_path / "onnx").iterdir())) == 3
+    assert not k1.exists() and [r["in_use"] for r in tuning.listing(tmp_path)] == [False] * 3
+    assert sorted(p.name for p in prune(tmp_path, "k4", retain=2)) == ["k0"]  # let go of: an old model like any
+
+
+def test_letting_go_of_a_model_marks_it_used(tmp_path: Path) -> None:
+    k0, _ = fake_models(tmp_path, ["k0", "k1"])
+    hold = tuning.InUse(k0)
+    time.sleep(0.01)
+    hold.release()
+    assert [r["key"] for r in tuning.listing(tmp_path)] == ["k0", "k1"]
+    hold.release()  # twice is harmless
+
+
+def test_remove_takes_a_key_or_its_unique_start_and_refuses_a_model_in_use(tmp_path: Path) -> None:
+    fake_models(tmp_path, ["ab12", "ab34", "cd56"])
+    assert tuning.remove(tmp_path, "cd") == tuned_dir(tmp_path, "cd56")
+    assert not tuned_dir(tmp_path, "cd56").exists() and len(list((tmp_path / "onnx").iterdir())) == 2
+    with pytest.raises(CapdError, match="names 2 tuned models"):
+        tuning.remove(tmp_path, "ab")
+    for missing in ("cd56", "", "zz", "../tuned"):
+        with pytest.raises(CapdError, match="no tuned model"):
+            tuning.remove(tmp_path, missing)
+    with held_elsewhere(tuned_dir(tmp_path, "ab12")):
+        with pytest.raises(CapdError, match="in use by a running capd process"):
+            tuning.remove(tmp_path, "ab12")
+        assert is_tuned(tuned_dir(tmp_path, "ab12"))
+    assert tuning.remove(tmp_path, "ab12").name == "ab12"
+    assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == ["ab34"]  # its lock files went too
 
 
 def test_prune_racing_another_process_neither_warns_nor_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -168,6 +239,20 @@ def test_tune_list_shows_the_tuned_models_and_marks_the_taps_own(tmp_path: Path,
     assert sorted(p.name for p in (settings.data_dir / "tuned").iterdir()) == sorted([".k.123.tmp", "older", wanted])
     text = CliRunner().invoke(main, args).stdout
     assert text.startswith(f"* {wanted}") and "3 capabilities, 18 examples, 9 steps" in text
+
+
+def test_tune_remove_removes_what_it_names_and_reports_what_it_cannot(tmp_path: Path) -> None:
+    fake_models(tmp_path, ["ab12", "cd34"])
+    args = ["tune", "--data-dir", str(tmp_path), "--json"]
+    result = CliRunner().invoke(main, [*args, "--remove", "ab", "--remove", "nope"])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == {"data_dir": str(tmp_path), "removed": [str(tuned_dir(tmp_path, "ab12"))],
+                                         "errors": [f"no tuned model 'nope' in {tmp_path / 'tuned'} "
+                                                    "(capd tune --list shows them)"]}
+    assert "no tuned model 'nope'" in result.stderr
+    result = CliRunner().invoke(main, ["tune", "--data-dir", str(tmp_path), "--remove", "cd34"])
+    assert result.exit_code == 0 and result.stdout == f"removed {tuned_dir(tmp_path, 'cd34')}\n"
+    assert CliRunner().invoke(main, [*args, "--remove", "x", "--list"]).exit_code == 2
 
 
 # -- the real model -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from capd.errors import CapdError
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
-from capd.tuning import MARKER, is_tuned, tuned_dir
+from capd.tuning import MARKER, in_use, is_tuned, remove, tuned_dir
 from tests.conftest import SettingsFactory, isolated_data_dir
 from tests.taputil import write_capability
 
@@ -156,6 +156,33 @@ def test_a_tuned_model_that_fails_to_publish_leaves_the_served_model_in_place(
     finally:
         gate.set()
         service.close()
+
+
+def test_a_service_holds_the_tuned_model_it_routes_with_and_lets_go_when_done(
+        tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a service routes with a tuned model, no other process prunes or removes it; the
+    model it switched away from, and the one it had at close, are let go of."""
+    monkeypatch.setattr(service_module, "TUNE_DELAY", 0.05)
+    monkeypatch.setattr(service_module, "RETIRE_DELAY", 0.0)
+    monkeypatch.setattr(service_module, "run_child", fake_tuning([]))
+    service = Service(tuned_settings, sessions=True).start()
+    try:
+        wait_idle(service)
+        first = tuned_dir(tuned_settings.data_dir, str(service.tuning.key))
+        assert service.tuning.status == "ready" and in_use(first)
+        with pytest.raises(CapdError, match="in use by a running capd process"):
+            remove(tuned_settings.data_dir, first.name)
+        write_capability(tuned_settings.taps[0], "docker", [*TRIGGERS["docker"], "remove dangling images"])
+        service.reload()
+        deadline = time.monotonic() + 10
+        while service.tuning.key == first.name or in_use(first):
+            assert time.monotonic() < deadline, service.tuning
+            time.sleep(0.05)
+        second = tuned_dir(tuned_settings.data_dir, str(service.tuning.key))
+        assert in_use(second) and remove(tuned_settings.data_dir, first.name) == first
+    finally:
+        service.close()
+    assert not in_use(second)
 
 
 def test_one_shot_commands_fail_when_the_tuning_asked_for_does_not_happen(tuned_settings: Settings) -> None:

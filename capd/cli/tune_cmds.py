@@ -16,26 +16,35 @@ from capd.cli.common import EXIT_ERROR, Failed, build_settings, emit_json, setti
 @settings_options
 @click.option("--list", "listing", is_flag=True,
               help="List the tuned models in the data directory instead (the taps' own is marked *).")
+@click.option("--remove", "remove", multiple=True, metavar="KEY",
+              help="Remove this tuned model (a key from --list, or its unique start) instead; repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
-         backend: str | None, listing: bool, as_json: bool) -> None:
+         backend: str | None, listing: bool, remove: tuple[str, ...], as_json: bool) -> None:
     """Tune a copy of the model on the taps' examples and cache it in the data directory.
 
     Routing uses it when `tune = true` (config) or CAPD_TUNE=true. The daemon tunes by itself
     in the background when a tap changes; this command does it now, in the foreground (seconds
     for a few capabilities, a few minutes for a hundred). Nothing in the taps is modified.
 
-    With --list nothing is tuned: each tuned model in the data directory with its last use, size
-    and training summary. capd keeps the 3 most recently used; remove one with `rm -r PATH`.
+    With --list nothing is tuned: each tuned model in the data directory with its last use, size,
+    whether a running capd routes with it, and training summary. capd keeps the 3 most recently
+    used, and never removes one in use. --remove KEY removes one now (with its ONNX export);
+    a model in use is refused.
 
     Example: capd tune --tap taps/core
     """
     from capd.service import Service
 
+    if listing and remove:
+        raise click.UsageError("--list and --remove go separately")
     settings = dataclasses.replace(build_settings(config, taps=taps, data_dir=data_dir, model=model,
                                                   backend=backend), tune=True)
     if listing:
         _list(Service(settings), as_json)
+        return
+    if remove:
+        _remove(settings.data_dir, remove, as_json)
         return
     service = Service(settings).start()
     try:
@@ -64,9 +73,29 @@ def _list(service: Any, as_json: bool) -> None:
         return
     for row in rows:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["last_used"]))
-        click.echo(f"{'*' if row['current'] else ' '} {row['key']}  used {used}  {row['bytes'] / 1e6:6.1f} MB  "
+        click.echo(f"{'*' if row['current'] else ' '} {row['key']}  {'in use' if row['in_use'] else 'used  '} {used}  "
+                   f"{row['bytes'] / 1e6:6.1f} MB  "
                    f"{row['capabilities']} capabilities, {row['examples']} examples, {row['steps']} steps  "
                    f"{row['path']}")
     if not any(row["current"] for row in rows):
         click.echo(f"no tuned model for these taps yet ({wanted}): capd tune" if wanted else
                    f"{len(rows)} tuned model{'s' if len(rows) != 1 else ''}")
+
+
+def _remove(data_dir: Path, names: tuple[str, ...], as_json: bool) -> None:
+    from capd.errors import CapdError
+    from capd.tuning import remove
+
+    removed, errors = [], []
+    for name in names:
+        try:
+            removed.append(str(remove(data_dir, name)))
+        except CapdError as exc:
+            errors.append(str(exc))
+    if as_json:
+        emit_json({"data_dir": str(data_dir), "removed": removed, "errors": errors})
+    else:
+        for path in removed:
+            click.echo(f"removed {path}")
+    if errors:
+        raise Failed("; ".join(errors), EXIT_ERROR)
