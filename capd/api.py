@@ -64,7 +64,7 @@ from capd.schemas import (
     ToolResultBody,
     responses_for,
 )
-from capd.service import Service
+from capd.service import Service, Stopping
 from capd.sessions import check_session_id
 from capd.settings import Settings
 from capd.text import finite
@@ -257,8 +257,13 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
                 watcher.observe()
             try:
                 service.start()
-            except Exception:
-                log.exception("capd failed to start")
+            except Exception as exc:
+                if stop.is_set() or isinstance(exc, Stopping):
+                    log.info("start interrupted: capd is stopping")
+                elif isinstance(exc, CapdError):  # a model that is not there, a data directory that cannot be used
+                    log.error("capd failed to start: %s", exc)
+                else:
+                    log.exception("capd failed to start")
                 return
             log.info("ready: %d capabilities in %.2fs", len(service.catalog_now()), service.ready_after or 0)
             if watcher is not None and not stop.is_set():

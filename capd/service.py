@@ -30,7 +30,7 @@ from capd.batching import MicroBatcher
 from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Embedded, Encoder, TokenVectors, Vectors, open_encoder
-from capd.errors import ModelError, StateError, UnknownCapability
+from capd.errors import CapdError, ModelError, StateError, UnknownCapability
 from capd.fused import TOKEN_BUDGET, TOP_K, FusedHead, build_head, head_key
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import KINDS, Corrections, LearnedStore
@@ -56,6 +56,10 @@ from capd.tuning import RECIPE, InUse, Recipe, groups_for, is_tuned, prune, run_
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
+
+
+class Stopping(CapdError):
+    """The service was closed while it was starting or publishing."""
 
 OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
 LEARN_DELAY = 1.0  # seconds between a recorded correction and routing with it (corrections come in bursts)
@@ -160,6 +164,7 @@ class Service:
         try:
             base = self._encoder_override or open_encoder(self.settings)
             self.encoder = MicroBatcher(base)
+            self._check_open()
             self._cache = self._open_cache()
             self.embedder = CachedEmbedder(self.encoder, self._cache)
             self.index = TriggerIndex(self.encoder.dim)
@@ -181,6 +186,12 @@ class Service:
         self.ready_after = time.monotonic() - self.started_at
         self._register_gauges()
         return self
+
+    def _check_open(self) -> None:
+        """Raise :class:`Stopping` once :meth:`close` was called: a start or publish under way ends
+        here rather than finish work nobody will route with."""
+        if self._closed:
+            raise Stopping("capd is stopping")
 
     def _open_cache(self) -> VectorCache:
         return VectorCache.open(self.settings.data_dir)
@@ -215,6 +226,8 @@ class Service:
         for child in self._tune_child:
             if child.poll() is None:
                 child.kill()
+        if self._snapshot is None:  # still starting: stop its embedding at the next batch, not after them all
+            self._close_encoder(self.encoder)
         with self._lock:  # a reload or learning pass already under way finishes before its stores close
             self._close_encoder(self.encoder)
             if self.learned is not None:
@@ -275,10 +288,12 @@ class Service:
         version = self.learned.version() if self.learned is not None else None
         learned, refused = self._learned_in_effect(catalog)
         examples = example_catalog(catalog, rule, learned)
+        self._check_open()
         with self.embedder.keeping_tokens(TOKEN_BUDGET if rule == "fused" else 0) as fresh:  # one pass for both
             report = self.index.sync(examples, self.embedder)
         self.counters.embedded += report.embedded
         self.counters.cached += report.cached
+        self._check_open()  # before the fits: seconds of CPU on a large tap
         embedder = self.embedder
 
         def vectors_of(texts: list[str]) -> Vectors:  # through the vector cache

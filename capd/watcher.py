@@ -8,6 +8,7 @@ capability folders those paths belong to (``Service.reload(changed=…)``). Test
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from capd.service import Service
 
 log = logging.getLogger(__name__)
+
+REARM_INTERVAL = 2.0  # seconds between checks that the watches match the taps on disk (a few stat calls)
 
 # Every kind of event the handler records; "opened" and "closed_no_write" are left out so that they
 # stay out of the inotify mask. Reading a large tap (10k capabilities: 30k files) otherwise overflows
@@ -65,11 +68,26 @@ class _Queue(FileSystemEventHandler):
         raw = [event.src_path, getattr(event, "dest_path", "")]
         paths = [Path(p if isinstance(p, str) else p.decode()) for p in raw if p]
         inside = [p for p in paths if any(p == tap or tap in p.parents for tap in self.taps)]
+        # a folder on the way to a tap, created, deleted or moved: the tap itself may have come or gone
+        inside += [tap for tap in self.taps if any(p in tap.parents for p in paths)]
         if inside:
             self.watcher.notify(inside)
 
 
+def _nearest_dir(path: Path) -> Path:
+    """``path`` if it is a directory, else its nearest ancestor that is."""
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return path
+
+
 class TapWatcher:
+    """Watches each tap recursively, and the nearest existing folder above it (not recursively),
+    so that a tap deleted, renamed or created, or a parent of it deleted and created again (a
+    repository cloned afresh), is seen. Every :data:`REARM_INTERVAL` seconds the watches are
+    checked against the file system as well: a tap that appeared without an event reaching the
+    watcher is loaded then."""
+
     def __init__(self, service: Service, debounce: float = 0.25) -> None:
         self.service = service
         self.debounce = debounce
@@ -81,7 +99,8 @@ class TapWatcher:
         self._thread: threading.Thread | None = None
         self._taps: list[Path] = []
         self._handler: _Queue | None = None
-        self._watches: dict[Path, tuple[int, Any]] = {}
+        self._watches: dict[Path, tuple[int, Any]] = {}  # a tap -> its inode and recursive watch
+        self._above: dict[Path, tuple[int, Any]] = {}  # the nearest existing folder above a tap -> the same
         self.applied = 0  # batches applied, for tests and metrics
 
     def start(self) -> None:
@@ -97,10 +116,6 @@ class TapWatcher:
         observer = Observer()
         self._taps = [Path(t).expanduser().absolute() for t in self.service.settings.taps]
         self._handler = _Queue(self, self._taps)
-        for tap in self._taps:
-            # The parent, not recursively: a tap directory deleted, renamed or (re)created is seen too.
-            if tap.parent.is_dir():
-                observer.schedule(self._handler, str(tap.parent), recursive=False, event_filter=_EVENTS)
         self._observer = observer
         self._watch_taps()
         observer.start()  # the inotify watches are in place when this returns
@@ -111,21 +126,30 @@ class TapWatcher:
         self._thread = threading.Thread(target=self._run, name="capd-watcher", daemon=True)
         self._thread.start()
 
-    def _watch_taps(self) -> None:
-        """Watch each existing tap recursively; re-watch one that was deleted and created anew."""
-        for tap in self._taps:
+    def _watch_taps(self) -> list[Path]:
+        """Bring the watches in line with the file system: each existing tap recursively (again
+        if it was deleted and created anew), and the nearest existing folder above each tap.
+        Returns the taps that are watched anew (they appeared)."""
+        self._rewatch(self._above, {_nearest_dir(tap.parent) for tap in self._taps}, recursive=False)
+        return self._rewatch(self._watches, {tap for tap in self._taps if tap.is_dir()}, recursive=True)
+
+    def _rewatch(self, table: dict[Path, tuple[int, Any]], wanted: set[Path], recursive: bool) -> list[Path]:
+        inodes = {}
+        for directory in wanted:
             try:
-                inode = tap.stat().st_ino if tap.is_dir() else None
+                inodes[directory] = directory.stat().st_ino
             except OSError:
-                inode = None
-            current = self._watches.get(tap)
-            if current is not None and (inode is None or current[0] != inode):
-                self._observer.unschedule(current[1])
-                del self._watches[tap]
-                current = None
-            if current is None and inode is not None:
-                self._watches[tap] = (inode, self._observer.schedule(self._handler, str(tap), recursive=True,
-                                                                      event_filter=_EVENTS))
+                continue
+        for directory, (inode, watch) in list(table.items()):
+            if inodes.get(directory) != inode:  # gone, or a new folder under the same name
+                with contextlib.suppress(KeyError, OSError):  # the kernel may have dropped it already
+                    self._observer.unschedule(watch)
+                del table[directory]
+        added = [d for d in inodes if d not in table]
+        for directory in added:
+            table[directory] = (inodes[directory], self._observer.schedule(
+                self._handler, str(directory), recursive=recursive, event_filter=_EVENTS))
+        return added
 
     def stop(self) -> None:
         self._stop.set()
@@ -143,7 +167,12 @@ class TapWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait()
+            if not self._wake.wait(REARM_INTERVAL):
+                appeared = self._watch_taps()
+                if appeared:
+                    log.info("tap directory appeared: %s", ", ".join(map(str, appeared)))
+                    self.notify(appeared)
+                continue
             # Debounce: wait until events stop arriving for `debounce` seconds.
             while self._wake.is_set() and not self._stop.is_set():
                 self._wake.clear()

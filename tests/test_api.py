@@ -22,7 +22,7 @@ from capd.errors import ModelError
 from capd.service import Service
 from capd.settings import Settings
 from tests.conftest import GatedEncoder, SettingsFactory, isolated_data_dir
-from tests.taputil import docker_and_postgres, octomind_tap
+from tests.taputil import docker_and_postgres, octomind_tap, write_capability
 
 
 @pytest.fixture
@@ -177,6 +177,38 @@ def test_warm_up_never_blocks_a_turn(tmp_path: Path) -> None:
                 break
             threading.Event().wait(0.05)
         assert client.get("/v1/health").json()["ready"] is True
+
+
+class CountingEncoder(HashEncoder):
+    """The deterministic fake, a little slow, counting its model calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.second = threading.Event()
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        self.calls += 1
+        if self.calls == 2:
+            self.second.set()
+        time.sleep(0.02)
+        return super().embed(texts)
+
+
+def test_a_stop_during_the_first_load_does_not_wait_for_every_trigger(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGTERM while a large tap loads: the shutdown waited until every trigger was embedded
+    (minutes on a large tap or a first fused start), with the listener already gone."""
+    tap = tmp_path / "tap"
+    for i in range(100):
+        write_capability(tap, f"cap{i}", [f"capability {i} trigger {j}" for j in range(20)])  # 2,000 texts: 32 batches
+    encoder = CountingEncoder()
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "d", model="hash")
+    with caplog.at_level(logging.INFO, logger="capd.api"), TestClient(create_app(settings, encoder=encoder,
+                                                                               watch=False)):
+        assert encoder.second.wait(10)
+    assert encoder.calls <= 4, encoder.calls
+    assert "start interrupted: capd is stopping" in caplog.text and "Traceback" not in caplog.text
 
 
 def test_lone_surrogates_in_text_fields_are_422(api: TestClient) -> None:

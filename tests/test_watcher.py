@@ -199,6 +199,31 @@ def test_tap_deleted_and_created_anew_is_watched_again(tmp_path: Path) -> None:
         watcher.stop()
 
 
+@pytest.mark.parametrize("at_start", ["present", "missing"])
+def test_a_tap_whose_parent_is_deleted_and_created_again_is_watched_again(tmp_path: Path, at_start: str) -> None:
+    """The repository holding a tap cloned afresh (the tap's parent deleted and created again), or a
+    tap whose parent did not exist at the start: the watcher lost the tap for good, and its edits
+    were ignored until a restart."""
+    tap = octomind_tap(tmp_path / "repo")
+    backup = tmp_path / "backup"
+    shutil.copytree(tmp_path / "repo", backup, symlinks=True)
+    if at_start == "missing":
+        shutil.rmtree(tmp_path / "repo")
+    service = Service(Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash"), sessions=True).start()
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        if at_start == "present":
+            shutil.rmtree(tmp_path / "repo")
+            assert _wait(lambda: any("missing" in e["reason"] for e in service.health()["errors"]))
+        shutil.copytree(backup, tmp_path / "repo", symlinks=True)
+        assert _wait(lambda: service.health()["errors"] == [] and len(service.catalog_now()) == 5)
+        write_capability(tap, "late-arrival", ["a capability added after the tap came back"])
+        assert _wait(lambda: "late-arrival" in service.catalog_now())
+    finally:
+        watcher.stop()
+
+
 def test_a_capability_moved_out_and_back_is_reloaded_without_warnings(tmp_path: Path,
                                                                        recwarn: pytest.WarningsRecorder) -> None:
     """watchdog keeps the watch of a folder moved out of the tap; moved back, it watches it again and
