@@ -72,11 +72,12 @@ def _parse_line(path: Path, number: int, line: str) -> Fixture:
 
 
 def load_fixtures(paths: Iterable[Path]) -> list[Fixture]:
-    """Read fixture files; blank lines and lines starting with ``#`` are skipped. Files with no
-    row at all are an error: measuring nothing would pass any floor."""
+    """Read fixture files; blank lines and lines starting with ``#`` are skipped. A file with no
+    row is an error, even beside others that have rows: it is a file its author meant to fill,
+    and measuring nothing of it would pass any floor."""
     rows: list[Fixture] = []
-    paths = list(paths)
     for path in paths:
+        before = len(rows)
         try:
             data = Path(path).read_bytes()
         except OSError as exc:
@@ -89,8 +90,8 @@ def load_fixtures(paths: Iterable[Path]) -> list[Fixture]:
         for number, line in enumerate(_LINE_END.split(text), start=1):
             if line.strip() and not line.lstrip().startswith("#"):
                 rows.append(_parse_line(Path(path), number, line))
-    if paths and not rows:
-        raise FixtureError(", ".join(map(str, paths)), "no fixture rows (every line is blank or a # comment)")
+        if len(rows) == before:
+            raise FixtureError(path, "no fixture rows (every line is blank or a # comment)")
     return rows
 
 

@@ -33,7 +33,11 @@ JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 
 class _In(BaseModel):
     """A request body. Its strings must be Unicode text: JSON lets ``\\ud800`` escape a lone
-    surrogate, which no encoder, tokenizer or UTF-8 log line accepts (a 422 here, not a 500 later)."""
+    surrogate, which no encoder, tokenizer or UTF-8 log line accepts (a 422 here, not a 500 later).
+    A field it does not know is a 422 naming it: ``{"sesion": …}`` would otherwise route without
+    a session, silently."""
+
+    model_config = ConfigDict(extra="forbid")
 
     @field_validator("*")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import logging
 import os
 import subprocess
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from threadpoolctl import threadpool_info, threadpool_limits
 
@@ -56,6 +57,25 @@ from capd.tuning import RECIPE, InUse, Recipe, groups_for, is_tuned, prune, run_
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
+
+
+def sessions_owner(path: Path) -> BinaryIO | None:
+    """Hold ``<sessions file>.owner`` (``flock``) for as long as this daemon serves sessions from
+    ``path``: a second daemon on the data directory finds it held and warns. Each daemon serves its
+    own copy of the sessions (read at its start), so two daemons given the same session id would
+    overwrite each other's; everything else in a data directory is safe to share."""
+    try:
+        handle = open(path.with_name(path.name + ".owner"), "a+b")  # noqa: SIM115 - held open: that is the lock
+    except OSError:
+        return None  # a data directory that cannot be written: the session store says so
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        log.warning("another capd daemon keeps its sessions in %s: sessions are not shared between daemons, so "
+                    "give each daemon its own session ids (or its own --data-dir)", path)
+        return None
+    return handle
 
 
 class Stopping(CapdError):
@@ -150,6 +170,7 @@ class Service:
         self._tune_child: list[subprocess.Popen[bytes]] = []
         self._tuning_now: str | None = None  # the key a tuning run in this process is training
         self._holds: list[tuple[Encoder, InUse]] = []  # tuned models in use, with the encoder using each
+        self._sessions_owner: BinaryIO | None = None  # see sessions_owner()
         self._closed = False
         self.tune_recipe: Recipe = RECIPE  # tests use a shorter one
 
@@ -199,6 +220,7 @@ class Service:
     def _open_sessions(self) -> SessionStore:
         """The session store; in memory (with a warning, and an error in health) if the file cannot be used."""
         path = self.settings.data_dir / "sessions.sqlite3"
+        self._sessions_owner = sessions_owner(path)
         try:
             return SessionStore(path)
         except StateError as exc:
@@ -232,6 +254,8 @@ class Service:
             self._close_encoder(self.encoder)
             if self.learned is not None:
                 self.learned.close()
+            if self._sessions_owner is not None:
+                self._sessions_owner.close()
 
     def _register_gauges(self) -> None:
         self.metrics.gauge("capd_capabilities", "Capabilities in the catalog.", lambda: len(self.catalog_now()))

@@ -222,6 +222,21 @@ def test_lone_surrogates_in_text_fields_are_422(api: TestClient) -> None:
         assert response.json()["error"] == "invalid_request", path
 
 
+def test_a_field_the_api_does_not_know_is_422_naming_it(api: TestClient) -> None:
+    """``{"sesion": …}`` routed without a session, silently (and the capability tool's schema, which
+    says additionalProperties false, was not what the endpoint did)."""
+    for path, body in [("/v1/route", {"sesion": "a", "message": "please run a query on the postgres database"}),
+                       ("/v1/discover", {"intent": "postgres", "limits": 3}),
+                       ("/v1/sessions/a/capability", {"action": "list", "extra": 1}),
+                       ("/v1/sessions/a/enable", {"name": "database-postgres", "session": "a"})]:
+        response = api.post(path, json=body)
+        assert response.status_code == 422, (path, response.text)
+        assert response.json()["error"] == "invalid_request"
+        unknown = (set(body) - {"message", "intent", "action", "name"}).pop()
+        assert unknown in response.json()["detail"], response.text
+    assert api.get("/v1/sessions/a").status_code == 404  # nothing was done
+
+
 def test_chunked_body_over_the_limit_is_413(api: TestClient) -> None:
     def chunks(padding: int) -> Iterator[bytes]:  # a generator body goes out chunked, without Content-Length
         yield b'{"session": "c", "message": "please run a query on the postgres database"'

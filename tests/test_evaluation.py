@@ -179,10 +179,13 @@ def test_fixture_errors_name_file_and_line(tmp_path: Path) -> None:
 
 
 def test_fixture_files_without_a_row_are_an_error(tmp_path: Path) -> None:
-    path = tmp_path / "f.jsonl"
+    """Also beside a file with rows: an empty file next to real ones used to pass unnoticed."""
+    path, full = tmp_path / "f.jsonl", tmp_path / "full.jsonl"
     path.write_text("\n# nothing yet\n")
-    with pytest.raises(FixtureError, match="no fixture rows"):
-        load_fixtures([path])
+    full.write_text('{"message": "fine", "expect": null}\n')
+    for paths in ([path], [full, path], [path, full]):
+        with pytest.raises(FixtureError, match=r"f\.jsonl: no fixture rows"):
+            load_fixtures(paths)
 
 
 def test_a_floor_with_nothing_to_measure_fails(tmp_path: Path, settings_factory: SettingsFactory) -> None:

@@ -348,3 +348,22 @@ def test_kill_9_mid_writes_keeps_every_committed_session(tmp_path: Path, tap: Pa
         store.put(SessionRecord("after", 1.0, 0))  # the recovered file takes writes
     with SessionStore(path) as store:
         assert store.get("after") == SessionRecord("after", 1.0, 0)
+
+
+def test_a_second_daemon_on_the_data_directory_is_told_sessions_are_not_shared(
+        tmp_path: Path, tap: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Each daemon serves its own copy of the sessions, so two given one session id overwrote each
+    other's on disk without a word."""
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
+    first = Service(settings, sessions=True).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="capd.service"):
+            second = Service(settings, sessions=True).start()
+            second.close()
+        assert "another capd daemon keeps its sessions in" in caplog.text
+    finally:
+        first.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="capd.service"):
+        Service(settings, sessions=True).start().close()  # the first one let go when it closed
+    assert "another capd daemon" not in caplog.text
