@@ -114,6 +114,8 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
     given = {k: v for k, v in overrides.items() if v is not None}
     configs = {t: c for t, c in catalog.tap_configs.items() if _calibrated_for(c, model)}
     for tap, config in catalog.tap_configs.items():
+        if not config.gates_for(rule):
+            continue  # nothing for this rule in the file: nothing ignored, nothing to warn about
         if tap not in configs and (warned is None or (config.path, config.model) not in warned):
             log.warning("%s: gates were calibrated for model %s, not %s; using the model's defaults",
                         config.path, config.model, model)

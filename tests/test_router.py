@@ -98,6 +98,10 @@ def test_gate_precedence(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
             other = build_gatebook(model, catalog, {}, model="bge-small-en-v1.5", warned=warned)
     assert other.for_tap(tap.absolute()) == model  # calibrated for another model: ignored
     assert caplog.text.count("calibrated for model all-minilm-l6-v2, not bge-small-en-v1.5") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="capd.router"):  # the file has no [gates.fused]: nothing ignored
+        build_gatebook(model, catalog, {}, model="bge-small-en-v1.5", rule="fused")
+    assert "calibrated for model" not in caplog.text
 
 
 def test_coverage_gate_precedence_and_only_for_fused(tmp_path: Path) -> None:
