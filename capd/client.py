@@ -30,19 +30,31 @@ class ApiError(ClientError):
         self.detail = detail
 
 
-def _error(response: httpx.Response, session: str | None, name: object) -> CapdError:
+def _error(status: int, payload: dict[str, Any], session: str | None, name: object) -> CapdError:
     """The exception for an error answer; the typed ones are built from the id or name asked about
     (their message says "unknown session 'x'" by itself; the daemon's detail would say it twice)."""
-    try:
-        payload = response.json()
-        error, detail = str(payload.get("error")), str(payload.get("detail"))
-    except ValueError:
-        error, detail = "http_error", response.text[:200]
+    error, detail = str(payload.get("error")), str(payload.get("detail"))
     if error == "unknown_session" and session is not None:
         return UnknownSession(session)
     if error == "unknown_capability" and isinstance(name, str):
         return UnknownCapability(name)
-    return ApiError(response.status_code, error, detail)
+    return ApiError(status, error, detail)
+
+
+def base_url(host: str, port: int) -> str:
+    """The daemon's URL: an IPv6 host is bracketed (``http://[::1]:7171``), given with brackets or not."""
+    host = bare_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def bare_host(host: str) -> str:
+    """``host`` without the brackets of a URL (``[::1]`` -> ``::1``), as sockets want it."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+# The keys every answer of these endpoints has (README, "HTTP API (v1)").
+HEALTH_KEYS = ("status", "ready", "model", "capabilities", "triggers", "embedded", "cached", "errors")
+PLAN_KEYS = ("start", "teardown", "active")
 
 
 def _session_path(session: str, action: str = "") -> str:
@@ -73,8 +85,10 @@ class CapdClient:
         self._http.close()
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
-              params: dict[str, str] | None = None, session: str | None = None) -> Any:
-        """One request; ``session`` is the session id in ``path``, for :class:`UnknownSession`."""
+              params: dict[str, str] | None = None, session: str | None = None,
+              expect: tuple[str, ...] = ()) -> dict[str, Any]:
+        """One request; ``session`` is the session id in ``path``, for :class:`UnknownSession`;
+        ``expect`` the keys a capd answer has (an answer without them is from something else)."""
         try:
             response = self._http.request(method, path, json=body, params=params)
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"), which no UTF-8 request can carry
@@ -83,61 +97,64 @@ class CapdClient:
         except httpx.TransportError as exc:
             raise DaemonUnreachable(f"no capd daemon answering at {self._where} ({exc.__class__.__name__}); "
                                     "start one with `capd serve` (or `make serve` in a checkout)") from None
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = None
+        # capd answers every call, errors included, with a JSON object; another HTTP server (a web
+        # server left on the port, a proxy's error page) is said to be one, not shown as raw HTML.
+        keys = ("error",) if response.status_code >= 400 else expect
+        if not isinstance(payload, dict) or any(key not in payload for key in keys):
+            kind = response.headers.get("content-type", "no content type").split(";")[0]
+            raise DaemonUnreachable(f"{self._where} does not look like a capd daemon ({method} {path} answered "
+                                    f"{response.status_code} with {kind}, not capd's JSON)")
         if response.status_code >= 400:
-            raise _error(response, session, (body or {}).get("name"))
-        if response.headers.get("content-type", "").startswith("application/json"):
-            return response.json()
-        return response.text
+            raise _error(response.status_code, payload, session, (body or {}).get("name"))
+        return payload
 
     def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("GET", "/v1/health")
-        return result
+        return self._call("GET", "/v1/health", expect=HEALTH_KEYS)
 
     def route(self, session: str | None, message: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", "/v1/route", {"session": session, "message": message})
-        return result
+        return self._call("POST", "/v1/route", {"session": session, "message": message}, expect=("decision",))
 
     def discover(self, intent: str, limit: int = 5) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._call("POST", "/v1/discover", {"intent": intent,
-                                                                           "limit": limit})["candidates"]
+        result: list[dict[str, Any]] = self._call("POST", "/v1/discover", {"intent": intent, "limit": limit},
+                                                  expect=("candidates",))["candidates"]
         return result
 
     def capabilities(self, session: str | None = None) -> list[dict[str, Any]]:
         params = {"session": session} if session else None
-        result: list[dict[str, Any]] = self._call("GET", "/v1/capabilities", params=params)["capabilities"]
+        result: list[dict[str, Any]] = self._call("GET", "/v1/capabilities", params=params,
+                                                  expect=("capabilities",))["capabilities"]
         return result
 
     def session(self, session: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("GET", _session_path(session), session=session)
-        return result
+        return self._call("GET", _session_path(session), session=session, expect=("active",))
 
     def drop(self, session: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("DELETE", _session_path(session), session=session)
-        return result
+        return self._call("DELETE", _session_path(session), session=session, expect=("dropped",))
 
     def enable(self, session: str, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", _session_path(session, "enable"), {"name": name}, session=session)
-        return result
+        return self._call("POST", _session_path(session, "enable"), {"name": name}, session=session, expect=PLAN_KEYS)
 
     def disable(self, session: str, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", _session_path(session, "disable"), {"name": name}, session=session)
-        return result
+        return self._call("POST", _session_path(session, "disable"), {"name": name}, session=session,
+                          expect=PLAN_KEYS)
 
     def tool_result(self, session: str, server: str, tool: str, ok: bool) -> list[str]:
         result: list[str] = self._call("POST", _session_path(session, "tool-result"),
-                                       {"server": server, "tool": tool, "ok": ok}, session=session)["bumped"]
+                                       {"server": server, "tool": tool, "ok": ok}, session=session,
+                                       expect=("bumped",))["bumped"]
         return result
 
     def reload(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", "/v1/reload")
-        return result
+        return self._call("POST", "/v1/reload")
 
     def capability_tool(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("GET", "/v1/capability-tool")
-        return result
+        return self._call("GET", "/v1/capability-tool")
 
     def capability_call(self, session: str, action: str, name: str | None = None,
                         intent: str | None = None) -> dict[str, Any]:
         body = {"action": action, "name": name, "intent": intent}
-        result: dict[str, Any] = self._call("POST", _session_path(session, "capability"), body, session=session)
-        return result
+        return self._call("POST", _session_path(session, "capability"), body, session=session)

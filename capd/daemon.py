@@ -7,6 +7,7 @@ before anyone can connect. uvicorn handles SIGINT / SIGTERM with a graceful shut
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 import uvicorn
 
 from capd.api import create_app
+from capd.client import bare_host, base_url
 from capd.errors import CapdError
 from capd.settings import Settings
 
@@ -40,67 +42,108 @@ def configure_logging(level: str) -> None:
 
 def bind(settings: Settings) -> socket.socket:
     if settings.uds is not None:
-        path = Path(settings.uds)
-        if path.exists():
-            if not path.is_socket():
-                raise BindError(f"{path} exists and is not a socket; refusing to replace it")
-            path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket is created 0600: only this user may talk to the daemon
-        try:
-            sock.bind(str(path))
-        except OSError as exc:
-            raise BindError(f"cannot bind {path}: {exc.strerror}") from None
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        return sock
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+        return _bind_unix(Path(settings.uds))
+    host = bare_host(settings.host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
     # without it Nagle + delayed ACK add ~40 ms to every response on loopback.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((settings.host, settings.port))
+        sock.bind((host, settings.port))
     except OSError as exc:
         sock.close()
-        raise BindError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror} "
-                        "(is another capd running? try --port)") from None
+        hint = " (is another capd running? try --port)" if exc.errno == errno.EADDRINUSE else ""
+        where = base_url(host, settings.port).removeprefix("http://")
+        raise BindError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
     return sock
+
+
+def _bind_unix(path: Path) -> socket.socket:
+    if path.exists():
+        if not path.is_socket():
+            raise BindError(f"{path} exists and is not a socket; refusing to replace it")
+        _refuse_if_served(path)
+        path.unlink(missing_ok=True)  # stale: left by a daemon that was killed
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket is created 0600: only this user may talk to the daemon
+    try:
+        sock.bind(str(path))
+    except OSError as exc:  # "AF_UNIX path too long" has no strerror
+        sock.close()
+        raise BindError(f"cannot bind {path}: {exc.strerror or exc}") from None
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    # Listening at once (uvicorn would only later): a daemon starting meanwhile on this path then finds
+    # it served, not stale, and refuses instead of replacing it.
+    sock.listen()
+    return sock
+
+
+def _refuse_if_served(path: Path) -> None:
+    """A socket someone still listens on belongs to a live daemon: replacing it would leave that
+    daemon running but unreachable. Only a refused connection proves the socket stale."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return
+        except OSError as exc:  # a full backlog (timeout), a socket of another user: not provably stale
+            raise BindError(f"cannot bind {path}: cannot tell whether it is in use "
+                            f"({exc.strerror or exc}); remove it if no capd is serving there") from None
+    raise BindError(f"cannot bind {path}: another capd is serving there (stop it, or use another --uds)")
+
+
+def socket_identity(path: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file at ``path``, or None if there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def serve(settings: Settings) -> None:
     configure_logging(settings.log_level)
     sock = bind(settings)
-    where = settings.uds or f"http://{settings.host}:{settings.port}"
+    # The port actually bound: with --port 0 the system chooses one.
+    where = str(settings.uds) if settings.uds is not None else base_url(settings.host, sock.getsockname()[1])
     log.info("capd listening on %s; taps: %s; data: %s", where, ", ".join(map(str, settings.taps)),
              settings.data_dir)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.uds is None and not settings.token:
+    host = bare_host(settings.host)
+    if host not in ("127.0.0.1", "localhost", "::1") and settings.uds is None and not settings.token:
         log.warning("listening on %s without a token: anyone who can reach it can drive your agent's tools",
                     settings.host)
     app = create_app(settings)
     # httptools: uvicorn's C HTTP parser; ~0.4 ms less event-loop CPU per route than h11 (measured, 1 client).
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, lifespan="on", http="httptools")
-    server = _Server(config, settings.uds)
+    uds = Path(settings.uds) if settings.uds is not None else None
+    server = _Server(config, uds, socket_identity(uds) if uds is not None else None)
     try:
         server.run(sockets=[sock])
     finally:
-        sock.close()
         server.remove_socket()
+        sock.close()
 
 
 class _Server(uvicorn.Server):
     """Removes its Unix socket at shutdown: uvicorn re-raises SIGTERM afterwards, so a
     ``finally`` around ``run`` would never see a signal-triggered stop."""
 
-    def __init__(self, config: uvicorn.Config, uds: Path | None) -> None:
+    def __init__(self, config: uvicorn.Config, uds: Path | None, identity: tuple[int, int] | None) -> None:
         super().__init__(config)
         self.uds = uds
+        self.identity = identity  # (st_dev, st_ino) of the socket this process bound
 
     def remove_socket(self) -> None:
-        if self.uds is not None:
-            Path(self.uds).unlink(missing_ok=True)
+        """Unlink the socket only while the path is still the one this process bound: after it was
+        replaced (by a newer daemon, say) the path is someone else's, who would become unreachable."""
+        if self.uds is not None and self.identity is not None and socket_identity(self.uds) == self.identity:
+            self.uds.unlink(missing_ok=True)
+            self.identity = None
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.remove_socket()  # first: a client then finds no daemon rather than one shutting down
         await super().shutdown(sockets)
-        self.remove_socket()

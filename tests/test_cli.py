@@ -13,8 +13,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
+import click
 import httpx
 import pytest
 import uvicorn
@@ -310,3 +313,102 @@ def test_json_output_never_holds_nan(capsys: pytest.CaptureFixture[str]) -> None
     assert "NaN" not in out and "Infinity" not in out
     assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == {
         "score": None, "margin": None, "candidates": [{"score": None}], "fine": 0.5, "count": 3}
+
+
+# -- connection flags: precedence, ranges, case, something that is not capd -------------------------------
+
+def test_uds_with_host_or_port_flags_is_a_usage_error(tmp_path: Path) -> None:
+    sock = str(tmp_path / "capd.sock")
+    for args in (["status", "--uds", sock, "--port", "7171"], ["serve", "--uds", sock, "--host", "127.0.0.1"],
+                 ["list", "--uds", sock, "--host", "127.0.0.1", "--port", "7171"]):
+        result = _capd(*args)
+        _clean_usage_error(result)
+        assert "name two addresses" in result.stderr
+
+
+def test_a_port_flag_beats_capd_uds_from_the_environment(serve: Serve, tmp_path: Path) -> None:
+    port = serve()
+    env = {"CAPD_UDS": str(tmp_path / "nobody.sock"), "CAPD_CONFIG": ""}
+    result = CliRunner().invoke(main, ["status", "--port", str(port)], env=env)
+    assert result.exit_code == 0, result.output
+    gone = CliRunner().invoke(main, ["status"], env={**env, "CAPD_PORT": str(port)})  # env against env: the socket
+    assert gone.exit_code == 3 and "nobody.sock" in gone.stderr
+
+
+@pytest.mark.parametrize("args", [["status", "--port", "70000"], ["serve", "--port", "-1"],
+                                  ["list", "--port", "65536"]])
+def test_a_port_out_of_range_is_a_usage_error(args: list[str]) -> None:
+    result = _capd(*args)
+    _clean_usage_error(result)
+    assert "must be between 0 and 65535" in result.stderr
+
+
+def test_choice_flags_take_any_case(tmp_path: Path) -> None:
+    """The environment took CAPD_LOG_LEVEL=DEBUG, the flag --log-level DEBUG was a usage error."""
+    parsed = main.commands["serve"].make_context(
+        "serve", ["--log-level", "DEBUG", "--backend", "ONNX", "--rule", "Fused"]).params
+    assert (parsed["log_level"], parsed["backend"], parsed["rule"]) == ("debug", "onnx", "fused")
+    routed = _capd("route", "please run a query on the postgres database", "--tap", str(octomind_tap(tmp_path)),
+                   "--model", "hash", "--data-dir", str(tmp_path / "d"), "--rule", "ANCHOR", "--backend", "Auto",
+                   "--json")
+    assert routed.exit_code == 0, routed.output
+
+    def choices(command: click.Command) -> Iterator[tuple[str, click.Choice[Any]]]:
+        for param in command.params:
+            if isinstance(param.type, click.Choice):
+                yield f"{command.name} {param.name}", param.type
+        for sub in getattr(command, "commands", {}).values():
+            yield from choices(sub)
+
+    found = dict(choices(main))
+    assert "export fmt" in found  # `capd learned export --format`: the sub-groups are walked too
+    assert [name for name, choice in found.items() if choice.case_sensitive] == []
+
+
+class _Foreign(BaseHTTPRequestHandler):
+    """An HTTP server that is not capd: HTML errors, or JSON of another shape."""
+
+    json_body: bytes | None = None
+
+    def _answer(self) -> None:
+        if self.json_body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(self.json_body)))
+        self.end_headers()
+        self.wfile.write(self.json_body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(params=[None, b'{"ok": 1}'], ids=["html-404", "other-json"])
+def foreign_port(request: pytest.FixtureRequest) -> Iterator[int]:
+    handler = type("Handler", (_Foreign,), {"json_body": request.param})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["list"], ["route", "show me the commits"],
+                                  ["discover", "postgres"], ["enable", "s1", "git"]])
+def test_something_that_is_not_capd_is_said_in_one_line(foreign_port: int, args: list[str]) -> None:
+    """It printed the server's raw HTML (exit 1), or a TypeError traceback for JSON of another shape."""
+    result = _capd(*args, port=foreign_port)
+    assert result.exit_code == 3, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert result.stderr.count("\n") == 1 and "<" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"capd: http://127.0.0.1:{foreign_port} does not look like a capd daemon")
+
+
+def test_help_says_when_exit_code_3_happens() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    assert "3 daemon unreachable, or `capd serve` could not start (address in use, cannot bind)" in \
+        " ".join(result.output.split())

@@ -110,7 +110,9 @@ def test_port_in_use_exits_3(daemon_dirs: tuple[Path, Path]) -> None:
         port = busy.getsockname()[1]
         proc = _start(["--tap", str(tap), "--data-dir", str(data), "--port", str(port)])
         assert proc.wait(60) == 3
-        assert proc.stderr is not None and b"cannot listen" in proc.stderr.read()
+        assert proc.stderr is not None
+        said = proc.stderr.read()
+        assert b"cannot listen" in said and b"is another capd running? try --port" in said
 
 
 def test_cli_without_daemon_exits_3() -> None:
@@ -150,3 +152,171 @@ def test_debug_logging_leaves_out_the_file_event_libraries(monkeypatch: pytest.M
         monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
     configure_logging("debug")
     assert logging.getLogger("watchdog.observers.inotify_buffer").getEffectiveLevel() == logging.INFO
+
+
+# -- where the daemon listens: Unix sockets, IPv6, port 0, bind errors ------------------------------------
+
+def _hash_args(tmp_path: Path) -> list[str]:
+    """A daemon on the hash model: these tests are about sockets, not routing."""
+    return ["--tap", str(octomind_tap(tmp_path / "tap")), "--model", "hash", "--data-dir", str(tmp_path / "data")]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(20)
+
+
+def _capd_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "capd", *args], capture_output=True, text=True, check=False,
+                          timeout=60, env={**os.environ, "CAPD_CONFIG": "", **(env or {})})
+
+
+def _listening_line(proc: subprocess.Popen[bytes]) -> str:
+    """The daemon's first log line (``capd listening on …``), read from its stderr."""
+    assert proc.stderr is not None
+    for raw in proc.stderr:
+        if b"capd listening on" in raw:
+            return raw.decode()
+    raise AssertionError("the daemon exited without saying where it listens")
+
+
+def test_a_second_daemon_on_a_served_socket_exits_3_and_the_first_keeps_it(tmp_path: Path) -> None:
+    """The second daemon unlinked the live socket and bound its own: the first kept running, unreachable."""
+    sock = tmp_path / "capd.sock"
+    first = _start([*_hash_args(tmp_path), "--uds", str(sock)])
+    client = CapdClient(uds=str(sock))
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_ready(client, first)
+        inode = sock.stat().st_ino
+        second = _start([*_hash_args(tmp_path / "second"), "--uds", str(sock)])
+        assert second.wait(60) == 3
+        assert second.stderr is not None
+        said = second.stderr.read().decode()
+        assert f"cannot bind {sock}: another capd is serving there" in said, said
+        assert sock.stat().st_ino == inode and client.health()["ready"]  # still the first one's, answering
+    finally:
+        for proc in (second, first):
+            if proc is not None:
+                _stop(proc)
+        client.close()
+
+
+def test_a_stale_socket_is_replaced(tmp_path: Path) -> None:
+    sock = tmp_path / "capd.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:  # as a daemon killed with -9 leaves it
+        dead.bind(str(sock))
+    proc = _start([*_hash_args(tmp_path), "--uds", str(sock)])
+    client = CapdClient(uds=str(sock))
+    try:
+        _wait_ready(client, proc)
+    finally:
+        _stop(proc)
+        client.close()
+    assert not sock.exists()
+
+
+def test_a_daemon_removes_only_the_socket_it_created(tmp_path: Path) -> None:
+    """A daemon that stopped unlinked the path even when it was by then another daemon's socket,
+    which kept running unreachable."""
+    sock = tmp_path / "capd.sock"
+    proc = _start([*_hash_args(tmp_path), "--uds", str(sock)])
+    client = CapdClient(uds=str(sock))
+    try:
+        _wait_ready(client, proc)
+        sock.unlink()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as newer:  # the newer daemon's socket
+            newer.bind(str(sock))
+            newer.listen()
+            inode = sock.stat().st_ino
+            proc.terminate()
+            proc.wait(20)
+            assert sock.exists() and sock.stat().st_ino == inode
+    finally:
+        _stop(proc)
+        client.close()
+
+
+def test_port_0_logs_the_port_it_bound(tmp_path: Path) -> None:
+    proc = _start([*_hash_args(tmp_path), "--port", "0"])
+    try:
+        found = re.search(r"listening on http://127\.0\.0\.1:(\d+);", _listening_line(proc))
+        assert found is not None and found.group(1) != "0"
+        with CapdClient(f"http://127.0.0.1:{found.group(1)}") as client:
+            _wait_ready(client, proc)
+    finally:
+        _stop(proc)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("serve_host", ["::1", "[::1]"])
+def test_ipv6_host_works_for_serve_and_every_client(tmp_path: Path, serve_host: str) -> None:
+    """Clients built ``http://::1:PORT`` and died with a traceback; serve could not bind ``[::1]``."""
+    port = _free_port()
+    proc = _start([*_hash_args(tmp_path), "--host", serve_host, "--port", str(port)])
+    try:
+        assert f"listening on http://[::1]:{port};" in _listening_line(proc)
+        with CapdClient(f"http://[::1]:{port}") as client:
+            _wait_ready(client, proc)
+        for args, env in ((["status", "--host", "::1", "--port", str(port)], {}),
+                          (["status", "--host", "[::1]", "--port", str(port)], {}),
+                          (["status"], {"CAPD_HOST": "::1", "CAPD_PORT": str(port)}),
+                          (["list", "--host", "::1", "--port", str(port)], {}),
+                          (["discover", "postgres schema", "--host", "::1", "--port", str(port)], {}),
+                          (["route", "show me the commits", "--host", "::1", "--port", str(port)], {}),
+                          (["enable", "s1", "filesystem-read", "--host", "::1", "--port", str(port)], {})):
+            result = _capd_cli(*args, env=env)
+            assert result.returncode == 0 and not result.stderr, (args, result.stderr)
+    finally:
+        _stop(proc)
+
+
+def test_a_port_flag_beats_capd_uds_from_the_environment(tmp_path: Path) -> None:
+    """flags > environment: an exported CAPD_UDS made serve and the clients ignore --port."""
+    sock, port = tmp_path / "env.sock", _free_port()
+    env = {"CAPD_UDS": str(sock)}
+    proc = _start([*_hash_args(tmp_path), "--port", str(port)], env=env)
+    try:
+        with CapdClient(f"http://127.0.0.1:{port}") as client:
+            _wait_ready(client, proc)
+        assert not sock.exists()
+        result = _capd_cli("status", "--port", str(port), env=env)
+        assert result.returncode == 0, result.stderr
+        assert _capd_cli("status", "--host", "127.0.0.1", env={**env, "CAPD_PORT": str(port)}).returncode == 0
+    finally:
+        _stop(proc)
+
+
+def test_bind_errors_say_what_went_wrong(tmp_path: Path) -> None:
+    """A socket path too long said "None"; every bind error blamed another capd."""
+    args, long_path = _hash_args(tmp_path), tmp_path / ("a" * 120 + ".sock")
+    too_long = _start([*args, "--uds", str(long_path)])
+    assert too_long.wait(60) == 3 and too_long.stderr is not None
+    said = too_long.stderr.read().decode()
+    assert "path too long" in said and "None" not in said, said
+    unassigned = _start([*args, "--host", "192.0.2.1", "--port", str(_free_port())])  # TEST-NET-1
+    assert unassigned.wait(60) == 3 and unassigned.stderr is not None
+    said = unassigned.stderr.read().decode()
+    assert "cannot listen on 192.0.2.1:" in said and "another capd" not in said, said
+
+
+def test_a_closed_output_pipe_ends_quietly_with_141(tmp_path: Path) -> None:
+    """``capd list | head -1``: click exits 1 on EPIPE, which capd documents as an error."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will read: the first write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "capd", "list", "--tap", str(octomind_tap(tmp_path))],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, check=False, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (141, "")

@@ -19,7 +19,8 @@ from capd.cli.tune_cmds import tune
 def main() -> None:
     """capd: a local capability router for AI agents.
 
-    Exit codes: 0 ok, 1 error or below a floor, 2 usage, 3 daemon unreachable.
+    Exit codes: 0 ok, 1 error or below a floor, 2 usage, 3 daemon unreachable, or `capd serve`
+    could not start (address in use, cannot bind).
     """
 
 
@@ -32,3 +33,17 @@ main.add_command(index)
 main.add_command(models)
 main.add_command(learned)
 main.add_command(tune)
+
+
+def _choices_in_any_case(command: click.Command) -> None:
+    """``--log-level DEBUG``, ``--rule FUSED``: a choice flag takes any case, as its ``CAPD_*``
+    variable does; click then passes on the canonical (lowercase) choice."""
+    for param in command.params:
+        if isinstance(param.type, click.Choice):
+            param.type.case_sensitive = False
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _choices_in_any_case(sub)
+
+
+_choices_in_any_case(main)

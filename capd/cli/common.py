@@ -1,12 +1,15 @@
 """What every CLI command shares: settings options, output, and the exit-code policy.
 
 Exit codes (decided here only): 0 ok, 1 error or below a floor, 2 usage,
-3 daemon unreachable or failed to start.
+3 daemon unreachable or failed to start; 141 (as a command killed by SIGPIPE) when whoever
+reads the output stops reading (``capd list | head -1``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +25,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command killed by SIGPIPE
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,6 +53,13 @@ class CapdGroup(click.Group):
         except CapdError as exc:
             click.echo(f"capd: {exc}", err=True)
             ctx.exit(EXIT_ERROR)
+        except BrokenPipeError:
+            # The reader went away (``capd list | head -1``): nothing more to say. Output still
+            # buffered would fail again when Python flushes stdout at exit, so it goes to devnull.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            ctx.exit(EXIT_BROKEN_PIPE)
 
 
 def store_options(func: F) -> F:
@@ -79,7 +90,8 @@ def connection_options(func: F) -> F:
     """--host, --port, --uds: where the running daemon listens."""
     options = [
         click.option("--host", default=None, help="Daemon host (default 127.0.0.1). Env: CAPD_HOST."),
-        click.option("--port", type=int, default=None, help="Daemon port (default 7171). Env: CAPD_PORT."),
+        click.option("--port", type=int, default=None, callback=setting_rule("port"),
+                     help="Daemon port (default 7171). Env: CAPD_PORT."),
         click.option("--uds", type=click.Path(path_type=Path), default=None, help="Unix socket path. Env: CAPD_UDS."),
     ]
     for option in reversed(options):
@@ -149,8 +161,21 @@ def write_file(path: Path, text: str) -> None:
 
 
 def build_settings(config: Path | None = None, **flags: Any) -> Settings:
-    """Flags that were given override environment, config file and defaults."""
-    return load_settings(flags={k: v for k, v in flags.items() if v is not None and v != ()}, config=config)
+    """Flags that were given override environment, config file and defaults.
+
+    The daemon's address is one setting made of two kinds: a socket (``uds``) or TCP (``host``,
+    ``port``). A ``--host`` or ``--port`` flag therefore beats a ``uds`` from the environment or a
+    config file, as any flag beats them; ``--uds`` with ``--host``/``--port`` names two addresses
+    and is a usage error."""
+    given = {k: v for k, v in flags.items() if v is not None and v != ()}
+    tcp = [f"--{key}" for key in ("host", "port") if key in given]
+    if tcp and "uds" in given:
+        raise Failed(f"--uds and {' '.join(tcp)} name two addresses (a Unix socket and TCP); give one",
+                     EXIT_USAGE)
+    settings = load_settings(flags=given, config=config)
+    if tcp and settings.uds is not None:
+        settings = dataclasses.replace(settings, uds=None)
+    return settings
 
 
 def emit_json(value: Any) -> None:

@@ -21,12 +21,12 @@ from capd.cli.common import (
     emit_json,
     stderr,
 )
-from capd.client import CapdClient
+from capd.client import CapdClient, base_url
 from capd.settings import RULES, Settings
 
 
 def client_for(settings: Settings) -> CapdClient:
-    return CapdClient(f"http://{settings.host}:{settings.port}", token=settings.token,
+    return CapdClient(base_url(settings.host, settings.port), token=settings.token,
                       uds=str(settings.uds) if settings.uds else None)
 
 
@@ -89,7 +89,7 @@ def status(config: Path | None, host: str | None, port: int | None, uds: Path | 
             stderr(f"  {error['file']}{line}: {error['reason']}")
     # "starting" (still loading) is not a failure; "error" is a daemon that answers but will never route.
     if health["status"] == "error":
-        raise Failed(f"the daemon failed to start: {health['startup_error'] or 'see its log'}")
+        raise Failed(f"the daemon failed to start: {health.get('startup_error') or 'see its log'}")
 
 
 @click.command("list")
