@@ -9,6 +9,8 @@ a ``Settings``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -20,6 +22,8 @@ import platformdirs
 
 from capd.errors import ConfigError
 from capd.learned import MAX_PER_CAPABILITY
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
 BACKENDS = ("auto", "onnx", "torch")
@@ -105,22 +109,39 @@ class Settings:
         return out
 
 
+EMPTY = "empty; unset it for the default"
+
+
+def _not_blank(text: str) -> str:
+    """``text`` unless it is blank: ``Path("")`` is the working directory and ``""`` as a host binds
+    every interface, so an exported but empty ``CAPD_HOST=`` must not pass for a value."""
+    if not text.strip():
+        raise ValueError(EMPTY)
+    return text
+
+
 def _as_paths(value: object) -> tuple[Path, ...]:
     if isinstance(value, str):
-        parts = [p for p in value.split(os.pathsep) if p]
+        parts = [p for p in value.split(os.pathsep) if p.strip()]  # "a::b" as in PATH
     elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, Path)) for v in value):
         parts = [str(v) for v in value]
+        if any(not isinstance(v, Path) and not v.strip() for v in value):
+            raise ValueError("must not hold an empty path")
     else:
         raise ValueError("must be a path or a list of paths")
+    if not parts:  # no taps at all: every route would abstain, and health would still say ok
+        raise ValueError(EMPTY)
     return tuple(Path(p).expanduser() for p in parts)
 
 
 def _as_names(value: object) -> tuple[str, ...]:
     if isinstance(value, str):
-        return tuple(v.strip() for v in value.split(",") if v.strip())
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise ValueError("must be a list of names")
+        names = value.split(",")
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        names = list(value)
+    else:
+        raise ValueError("must be a list of names")
+    return tuple(v.strip() for v in names if v.strip())
 
 
 def _as_int(value: object) -> int:
@@ -158,7 +179,29 @@ def _model_name(value: object) -> str:
 def _as_path(value: object) -> Path:
     if isinstance(value, Path):
         return value.expanduser()
-    return Path(_as_str(value)).expanduser()
+    return Path(_not_blank(_as_str(value))).expanduser()
+
+
+def _host(value: object) -> str:
+    return _not_blank(_as_str(value))
+
+
+def _token(value: object) -> str:
+    """The bearer token. It travels in an HTTP header, so printable ASCII without spaces; ``""``
+    passes here and means no token. The reason never quotes the token."""
+    token = _as_str(value)
+    for at, char in enumerate(token, 1):
+        if not "!" <= char <= "~":
+            what = "whitespace" if char.isspace() else "not printable ASCII"
+            raise ValueError(f"character {at} is {what}; a token must be printable ASCII without spaces "
+                             "(it is sent in an HTTP header)")
+    return token
+
+
+def names_a_path(model: str) -> bool:
+    """Whether a ``model`` value is written as a path (``./m``, ``models/x``, ``~/m``) rather than
+    a name (a manifest such as ``all-minilm-l6-v2``, or ``hash``)."""
+    return os.sep in model or "/" in model or model.startswith(("~", "."))
 
 
 def _as_bool(value: object) -> bool:
@@ -231,7 +274,7 @@ def _coverage(value: object) -> float:
 
 
 _CONVERTERS: dict[str, Callable[[object], object]] = {
-    "host": _as_str,
+    "host": _host,
     "port": _port,
     "taps": _as_paths,
     "data_dir": _as_path,
@@ -249,7 +292,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "min_chars": _non_negative_int,
     "pinned": _as_names,
     "session_ttl": _seconds,
-    "token": _as_str,
+    "token": _token,
     "uds": _as_path,
     "log_level": _choice(("debug", "info", "warning", "error")),
     "learn": _as_bool,
@@ -259,6 +302,10 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
 
 # Environment variable -> setting. DESIGN.md fixes CAPD_TAPS, HOST, PORT, DATA_DIR, CONFIG, MODEL, TOKEN.
 ENV_VARS: dict[str, str] = {f"CAPD_{name.upper()}": name for name in _CONVERTERS}
+# Other CAPD_* variables something reads: the config file's path, and the reliability suite's size.
+OTHER_ENV_VARS = ("CAPD_CONFIG", "CAPD_RELIABILITY")
+_SECRETS = frozenset({"token"})  # never quoted in an error message
+_warned_env: set[str] = set()  # unknown CAPD_* variables already warned about (once per process)
 
 
 def check_setting(key: str, value: object) -> object:
@@ -271,7 +318,8 @@ def _convert(source: str, key: str, value: object) -> object:
     try:
         return _CONVERTERS[key](value)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(source, key, f"{exc} (got {value!r})") from None
+        got = "" if key in _SECRETS or value == "" else f" (got {value!r})"
+        raise ConfigError(source, key, f"{exc}{got}") from None
 
 
 def read_config_file(path: Path) -> dict[str, object]:
@@ -287,20 +335,27 @@ def read_config_file(path: Path) -> dict[str, object]:
     table = raw.get("capd", raw)
     if not isinstance(table, dict):
         raise ConfigError(str(path), "capd", "must be a table")
+    stray = [key for key in raw if key != "capd"] if table is not raw else []
+    if stray:
+        raise ConfigError(str(path), None, f"{', '.join(stray)}: outside the [capd] table, where they would be "
+                                           "ignored; move them under [capd] (or drop the [capd] header)")
     out: dict[str, object] = {}
     for key, value in table.items():
         if key not in _CONVERTERS:
             known = ", ".join(sorted(_CONVERTERS))
             raise ConfigError(str(path), key, f"unknown setting (known: {known})")
-        if key in ("taps", "data_dir", "models_dir", "uds"):
+        if key in ("taps", "data_dir", "models_dir", "uds") or (
+                key == "model" and isinstance(value, str) and names_a_path(value.strip())):
             # Relative paths in a config file are relative to the file, not the cwd.
-            value = _resolve_relative(path.parent, value)
+            value = _resolve_relative(path.parent, value.strip() if key == "model" else value)
         out[key] = _convert(str(path), key, value)
     return out
 
 
 def _resolve_relative(base: Path, value: object) -> object:
     if isinstance(value, str):
+        if not value.strip():  # left for the setting's rule to refuse, not read as the file's folder
+            return value
         return str(base / Path(value).expanduser()) if not Path(value).expanduser().is_absolute() else value
     if isinstance(value, list):
         return [_resolve_relative(base, v) for v in value]
@@ -328,6 +383,7 @@ def load_settings(
     for var, key in ENV_VARS.items():
         if var in environ and var != "CAPD_CONFIG":
             values[key] = _convert(f"environment {var}", key, environ[var])
+    _warn_unknown_env(environ)
     for key, value in given.items():
         if key not in _CONVERTERS:
             raise ConfigError("flags", key, "unknown setting")
@@ -336,3 +392,15 @@ def load_settings(
         values["token"] = None
     chosen = config_path if (explicit is not None or config_path.is_file()) else None
     return Settings(**values, config_file=chosen)  # type: ignore[arg-type]
+
+
+def _warn_unknown_env(environ: Mapping[str, str]) -> None:
+    """A ``CAPD_*`` variable capd does not read is most likely a misspelt setting: say so
+    once, since it has no effect (a config file's unknown key is an error, but the environment
+    holds other programs' variables too)."""
+    for var in sorted(environ):
+        if var.startswith("CAPD_") and var not in ENV_VARS and var not in OTHER_ENV_VARS and var not in _warned_env:
+            _warned_env.add(var)
+            close = difflib.get_close_matches(var, [*ENV_VARS, *OTHER_ENV_VARS], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            log.warning("environment %s: not a capd setting, ignored%s", var, hint)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from pathlib import Path
 
 import pytest
 
+import capd.settings as settings_module
 from capd.errors import ConfigError
-from capd.settings import Settings, load_settings
+from capd.settings import ENV_VARS, OTHER_ENV_VARS, Settings, load_settings
 
 
 def test_defaults(tmp_path: Path) -> None:
@@ -34,8 +38,6 @@ def test_precedence(tmp_path: Path) -> None:
 
 
 def test_taps_env_uses_pathsep(tmp_path: Path) -> None:
-    import os
-
     settings = load_settings(env={"CAPD_TAPS": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}",
                                   "CAPD_CONFIG": ""})
     assert settings.taps == (tmp_path / "a", tmp_path / "b")
@@ -101,3 +103,137 @@ def test_settings_are_frozen_and_token_masked() -> None:
     with pytest.raises(AttributeError):
         settings.port = 1  # type: ignore[misc]
     assert settings.public_dict()["token"] == "***"
+
+
+@pytest.mark.parametrize("var", ["CAPD_HOST", "CAPD_UDS", "CAPD_DATA_DIR", "CAPD_TAPS", "CAPD_MODELS_DIR"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_environment_value_is_refused(var: str, value: str) -> None:
+    # `export CAPD_HOST=` bound every interface; an empty path was the working directory; an empty
+    # CAPD_TAPS served no taps with health "ok".
+    key = var.removeprefix("CAPD_").lower()
+    with pytest.raises(ConfigError, match=f"^environment {var}: {key}: empty; unset it for the default"):
+        load_settings(env={var: value, "CAPD_CONFIG": ""})
+
+
+def test_empty_token_and_config_still_mean_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # no user config file
+    settings = load_settings(env={"CAPD_TOKEN": "", "CAPD_CONFIG": ""})
+    assert settings.token is None and settings.config_file is None
+    config = tmp_path / "config.toml"
+    config.write_text('token = ""\n')
+    assert load_settings(env={}, config=config).token is None
+    # Empty entries of a path list are skipped, as in PATH; only a list with no path at all is refused.
+    assert load_settings(env={"CAPD_CONFIG": "", "CAPD_TAPS": f"{os.pathsep}/t{os.pathsep}"}).taps == (Path("/t"),)
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ('host = ""\n', "host"),
+    ('data_dir = ""\n', "data_dir"),  # was read as the config file's folder
+    ('uds = " "\n', "uds"),
+    ("taps = []\n", "taps"),
+    ('taps = ""\n', "taps"),
+])
+def test_an_empty_config_value_is_refused(tmp_path: Path, text: str, key: str) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match="empty; unset it for the default") as info:
+        load_settings(env={}, config=config)
+    assert info.value.source == str(config) and info.value.key == key
+
+
+def test_an_empty_path_in_a_config_list_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('taps = ["a", ""]\n')
+    with pytest.raises(ConfigError, match="taps: must not hold an empty path"):
+        load_settings(env={}, config=config)
+
+
+def test_an_empty_host_flag_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^--host: host: empty"):
+        load_settings(flags={"host": ""}, env={"CAPD_CONFIG": ""})
+
+
+@pytest.mark.parametrize("token", ["sécret", " padded ", "padded ", "two words", "tab\tbed", "line\n", "del\x7f"])
+def test_a_token_that_cannot_be_an_http_header_is_refused(token: str) -> None:
+    with pytest.raises(ConfigError, match=r"^environment CAPD_TOKEN: token: character ") as info:
+        load_settings(env={"CAPD_TOKEN": token, "CAPD_CONFIG": ""})
+    assert "printable ASCII without spaces" in str(info.value)
+    assert token.strip() not in str(info.value), "the message never quotes the token"
+
+
+def test_a_bad_token_in_a_config_file_names_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('token = "sécret"\n')
+    with pytest.raises(ConfigError, match="character 2 is not printable ASCII") as info:
+        load_settings(env={}, config=config)
+    assert info.value.source == str(config) and info.value.key == "token"
+
+
+def test_a_printable_token_is_kept() -> None:
+    token = "Abc-123._~+/=!#$%&'*^`|"
+    assert load_settings(env={"CAPD_TOKEN": token, "CAPD_CONFIG": ""}).token == token
+
+
+def test_keys_beside_a_capd_table_are_refused(tmp_path: Path) -> None:
+    # They were silently ignored, typos included.
+    config = tmp_path / "mix.toml"
+    config.write_text('max_activ = 2\nport = 7360\n\n[capd]\nhost = "127.0.0.1"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(env={}, config=config)
+    message = str(info.value)
+    assert message.startswith(f"{config}: max_activ, port: outside the [capd] table")
+    only_table = tmp_path / "table.toml"
+    only_table.write_text('[capd]\nport = 7360\n')
+    assert load_settings(env={}, config=only_table).port == 7360
+
+
+@pytest.mark.parametrize(("value", "resolved"), [
+    ("./mymodel", "cfg/mymodel"),
+    ("mymodel/", "cfg/mymodel"),
+    ("models/x", "cfg/models/x"),
+    ("../shared/m", "cfg/../shared/m"),
+])
+def test_a_relative_model_directory_in_a_config_file_is_relative_to_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, resolved: str) -> None:
+    (tmp_path / "cfg").mkdir()
+    config = tmp_path / "cfg" / "capd.toml"
+    config.write_text(f'model = "{value}"\n')
+    monkeypatch.chdir("/")
+    assert Path(load_settings(env={}, config=config).model) == tmp_path / resolved
+
+
+@pytest.mark.parametrize("value", ["all-minilm-l6-v2", "hash", "/abs/model"])
+def test_model_names_and_absolute_paths_in_a_config_file_are_kept(tmp_path: Path, value: str) -> None:
+    config = tmp_path / "capd.toml"
+    config.write_text(f'model = "{value}"\n')
+    assert load_settings(env={}, config=config).model == value
+
+
+def test_pinned_names_from_a_config_list_are_stripped(tmp_path: Path) -> None:
+    config = tmp_path / "capd.toml"
+    config.write_text('pinned = [" git", "time ", " "]\n')
+    assert load_settings(env={}, config=config).pinned == ("git", "time")
+    assert load_settings(env={"CAPD_PINNED": " git, time ,", "CAPD_CONFIG": ""}).pinned == ("git", "time")
+
+
+def test_an_unknown_capd_variable_is_warned_once(monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(settings_module, "_warned_env", set())
+    env = {"CAPD_TRESHOLD": "0.9", "CAPD_CONFIG": "", "CAPD_RELIABILITY": "full", "CAPD_PORT": "7000"}
+    with caplog.at_level(logging.WARNING, logger="capd.settings"):
+        load_settings(env=env)
+        load_settings(env=env)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "capd.settings"]
+    assert warnings == ["environment CAPD_TRESHOLD: not a capd setting, ignored (did you mean CAPD_THRESHOLD?)"]
+
+
+def test_every_capd_variable_read_anywhere_is_known() -> None:
+    # No CAPD_* variable that capd, the benchmarks, the tests or the build read is warned about as a typo.
+    root = Path(__file__).resolve().parent.parent
+    sources = [*root.glob("capd/**/*.py"), *root.glob("benchmarks/**/*.py"), *root.glob("tests/**/*.py"),
+               root / "Makefile", root / ".ci" / "run"]
+    named = {name for path in sources if path.is_file() and path != Path(__file__).resolve()
+             for name in re.findall(r"\bCAPD_[A-Z0-9_]+", path.read_text(encoding="utf-8"))}
+    not_variables = {"CAPD_POINT"}  # a gates constant in tests/test_fused.py
+    assert "CAPD_TAPS" in named and "CAPD_RELIABILITY" in named
+    assert named - not_variables <= set(ENV_VARS) | set(OTHER_ENV_VARS)
