@@ -412,3 +412,12 @@ def test_help_says_when_exit_code_3_happens() -> None:
     result = CliRunner().invoke(main, ["--help"])
     assert "3 daemon unreachable, or `capd serve` could not start (address in use, cannot bind)" in \
         " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("args", [["list", "--tap", ""], ["index", "--data-dir", ""], ["status", "--uds", " "],
+                                  ["lint", ""], ["route", "hello there", "--tap", "taps/core", "--config", ""]])
+def test_an_empty_path_flag_is_a_usage_error(args: list[str]) -> None:
+    """``Path("")`` is the working directory: ``--data-dir "$UNSET"`` wrote capd's files there."""
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "empty; give a path" in result.output

@@ -247,6 +247,10 @@ def test_port_0_logs_the_port_it_bound(tmp_path: Path) -> None:
             _wait_ready(client, proc)
     finally:
         _stop(proc)
+    assert proc.stderr is not None
+    rest = proc.stderr.read().decode()  # uvicorn's own lines had no time: a log file did not say when it stopped
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO uvicorn\.error: Finished server process", rest,
+                     re.MULTILINE), rest
 
 
 def _ipv6_loopback() -> bool:

@@ -62,14 +62,27 @@ class CapdGroup(click.Group):
             ctx.exit(EXIT_BROKEN_PIPE)
 
 
+class PathParam(click.Path):
+    """``click.Path`` giving a :class:`Path`, refusing an empty value: ``Path("")`` is the working
+    directory, so ``--data-dir ""`` (an unset shell variable) would write capd's files there."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(path_type=Path, **kwargs)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("empty; give a path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def store_options(func: F) -> F:
     """--config, --tap, --data-dir: where capd's files are."""
     options = [
-        click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+        click.option("--config", "config", type=PathParam(), default=None,
                      help="Config file (default: $CAPD_CONFIG, else ~/.config/capd/config.toml)."),
-        click.option("--tap", "taps", multiple=True, type=click.Path(path_type=Path),
+        click.option("--tap", "taps", multiple=True, type=PathParam(),
                      help="Tap directory; repeat for several (order is precedence). Env: CAPD_TAPS."),
-        click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+        click.option("--data-dir", type=PathParam(), default=None,
                      help="Where the vector cache, session state and ONNX export live. Env: CAPD_DATA_DIR."),
     ]
     for option in reversed(options):
@@ -92,7 +105,7 @@ def connection_options(func: F) -> F:
         click.option("--host", default=None, help="Daemon host (default 127.0.0.1). Env: CAPD_HOST."),
         click.option("--port", type=int, default=None, callback=setting_rule("port"),
                      help="Daemon port (default 7171). Env: CAPD_PORT."),
-        click.option("--uds", type=click.Path(path_type=Path), default=None, help="Unix socket path. Env: CAPD_UDS."),
+        click.option("--uds", type=PathParam(), default=None, help="Unix socket path. Env: CAPD_UDS."),
     ]
     for option in reversed(options):
         func = option(func)

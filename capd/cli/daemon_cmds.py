@@ -15,6 +15,7 @@ from capd.cli.common import (
     EXIT_UNREACHABLE,
     TEXT,
     Failed,
+    PathParam,
     build_settings,
     connection_options,
     daemon_only,
@@ -33,15 +34,15 @@ def client_for(settings: Settings) -> CapdClient:
 def daemon_options(func: Any) -> Any:
     """--config, then where the daemon listens (--host, --port, --uds)."""
     func = connection_options(func)
-    return click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+    return click.option("--config", "config", type=PathParam(), default=None,
                         help="Config file.")(func)
 
 
 @click.command()
-@click.option("--tap", "taps", multiple=True, type=click.Path(path_type=Path),
+@click.option("--tap", "taps", multiple=True, type=PathParam(),
               help="Tap directory; repeat for several. Env: CAPD_TAPS.")
 @daemon_options
-@click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="Env: CAPD_DATA_DIR.")
+@click.option("--data-dir", type=PathParam(), default=None, help="Env: CAPD_DATA_DIR.")
 @click.option("--model", default=None, help="Model manifest name. Env: CAPD_MODEL.")
 @click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None)
 @click.option("--rule", type=click.Choice(RULES), default=None)
@@ -93,7 +94,7 @@ def status(config: Path | None, host: str | None, port: int | None, uds: Path | 
 
 
 @click.command("list")
-@click.option("--tap", "taps", multiple=True, type=click.Path(path_type=Path),
+@click.option("--tap", "taps", multiple=True, type=PathParam(),
               help="List these taps in-process instead of asking the daemon.")
 @daemon_options
 @click.option("--session", type=TEXT, default=None, help="Mark this session's active capabilities (daemon only).")

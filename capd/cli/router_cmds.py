@@ -12,6 +12,7 @@ from capd.cli.common import (
     EXIT_USAGE,
     TEXT,
     Failed,
+    PathParam,
     build_settings,
     connection_options,
     daemon_only,
@@ -135,7 +136,7 @@ def route(message: str, config: Path | None, taps: tuple[Path, ...], data_dir: P
 
 def _eval_options(func: Any) -> Any:
     func = click.option("--fixtures", "fixture_files", multiple=True, required=True,
-                        type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                        type=PathParam(exists=True, dir_okay=False),
                         help="Fixture file (.jsonl); repeat for several.")(func)
     func = click.option("--rule", type=click.Choice(RULES), default=None, help="Routing rule.")(func)
     return settings_options(func)
@@ -149,7 +150,7 @@ def _eval_options(func: Any) -> Any:
               help="Override every tap's margin (0 to 100).")
 @click.option("--coverage", type=float, default=None, callback=setting_rule("coverage"),
               help="Override every tap's coverage gate (fused rule; 0 to 1, 0 turns it off).")
-@click.option("--html", "html", type=click.Path(path_type=Path, dir_okay=False), default=None,
+@click.option("--html", "html", type=PathParam(dir_okay=False), default=None,
               help="Also write a self-contained HTML report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
@@ -192,11 +193,11 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
 
 
 @click.command("test")
-@click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=click.Path(path_type=Path))
+@click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=PathParam())
 @settings_options
 @click.option("--rule", type=click.Choice(RULES), default=None,
               help="Routing rule (default: the settings'; floors are written for one).")
-@click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), default=None,
+@click.option("--junit", type=PathParam(dir_okay=False), default=None,
               help="Write JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...], data_dir: Path | None,

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import click
 
-from capd.cli.common import EXIT_ERROR, build_settings, emit_json, settings_options
+from capd.cli.common import EXIT_ERROR, PathParam, build_settings, emit_json, settings_options
 from capd.lint import lint_catalog, summarise
 from capd.taps import load_catalog
 
 
 @click.command()
-@click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=click.Path(path_type=Path))
+@click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=PathParam())
 @settings_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--embeddings/--no-embeddings", default=False,
