@@ -82,9 +82,15 @@ class LiveTaps:
             state = self._states.setdefault(tap, _TapState())
             folders, unusable = capability_dirs(tap) if (tap / "capabilities").is_dir() else ([], [])
             if not (tap / "capabilities").is_dir() or any(p.code == "unreadable-tap" for p in unusable):
-                why = "is missing or has no capabilities/" if not unusable else "cannot be listed"
-                unusable.append(Problem("error", str(tap), f"tap directory {why}; serving its last good "
-                                        f"{len(state.capabilities)} capabilities", code="missing-tap"))
+                if unusable:
+                    why = "tap directory cannot be listed"
+                elif tap.exists() and not tap.is_dir():
+                    why = "not a directory"
+                else:
+                    why = "tap directory is missing" if not tap.exists() else "tap directory has no capabilities/"
+                kept = (f"serving its last good {len(state.capabilities)} capabilities" if state.capabilities
+                        else "nothing from it is served until it is there")
+                unusable.append(Problem("error", str(tap), f"{why}; {kept}", code="missing-tap"))
                 loads.append((state.in_folder_order(), unusable, state.config))
                 continue
             names = {d.name for d in folders}

@@ -108,7 +108,7 @@ def ensure_onnx(model_dir: Path, weights_sha: str, data_dir: Path, cleanup: cont
             return _export_private(model_dir, weights_sha, cleanup, f"cannot set aside the damaged {replacing}")
         if is_current(directory, weights_sha):
             return directory / MODEL_FILE
-        return _export_into(model_dir, weights_sha, directory)
+        return _export_into(model_dir, weights_sha, directory, kept=True)
     finally:
         lock.release()
 
@@ -137,7 +137,7 @@ def _export_private(model_dir: Path, weights_sha: str, cleanup: contextlib.ExitS
     else:
         atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     log.warning("%s; exporting into %s for this process only", why, scratch)
-    return _export_into(model_dir, weights_sha, scratch)
+    return _export_into(model_dir, weights_sha, scratch, kept=False)
 
 
 def _remove_orphaned_scratch() -> None:
@@ -244,10 +244,13 @@ def run_probe(session: Any, input_ids: list[int]) -> Any:
     return np.asarray(hidden, dtype=np.float32)[0].mean(axis=0)
 
 
-def _export_into(model_dir: Path, weights_sha: str, directory: Path) -> Path:
+def _export_into(model_dir: Path, weights_sha: str, directory: Path, kept: bool) -> Path:
     target = directory / MODEL_FILE
     started = time.perf_counter()
-    log.info("exporting %s to ONNX (once; reused from %s afterwards)", model_dir, directory)
+    if kept:
+        log.info("exporting %s to ONNX (once; reused from %s afterwards)", model_dir, directory)
+    else:
+        log.info("exporting %s to ONNX", model_dir)
     with atomic.replacing(target) as tmp:
         info = export(model_dir, tmp)
     stamp = file_stamp(target)

@@ -816,9 +816,10 @@ class Service:
         store = self.registry.store if self.registry is not None else None
         reason = self.state_error or (store.last_error if store is not None else None)
         if store is not None and reason is not None:
-            errors.append({"file": str(store.path), "line": None, "reason": reason})
+            errors.append({"file": str(store.path), "line": None, "reason": reason.removeprefix(f"{store.path}: ")})
         if self.learned is not None and self.learned.error is not None:
-            errors.append({"file": str(self.learned.path), "line": None, "reason": self.learned.error})
+            errors.append({"file": str(self.learned.path), "line": None,
+                           "reason": self.learned.error.removeprefix(f"{self.learned.path}: ")})
         return errors
 
     def health(self) -> dict[str, Any]:

@@ -213,7 +213,9 @@ def test_the_service_reattaches_its_session_file(tmp_path: Path, tap: Path, monk
     try:
         service = Service(settings, sessions=True).start()
         assert service.registry is not None and not service.registry.store.persistent
-        assert "kept in memory only" in service.health()["errors"][0]["reason"]
+        error = service.health()["errors"][0]
+        assert "kept in memory only" in error["reason"] and error["file"] == str(path)
+        assert str(path) not in error["reason"]  # `capd status` printed "FILE: FILE: …"
         service.registry.activate("s1", "git")
         assert service.reattach_state() is False
     finally:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from capd.catalog import tools_for_server
+from capd.live_taps import LiveTaps
 from capd.settings import default_taps
 from capd.taps import MAX_FILE_BYTES, load_catalog
 from tests.taputil import POSTGRES_PROVIDER, octomind_tap, write_capability
@@ -135,6 +136,10 @@ def test_missing_tap_and_bad_names(tmp_path: Path) -> None:
     assert len(catalog) == 0 and catalog.errors[0].code == "missing-tap"
     (tmp_path / "fixtures.jsonl").write_text("{}\n")
     assert load_catalog([tmp_path / "fixtures.jsonl"]).errors[0].reason == "is a file, not a tap directory"
+    live = LiveTaps([tmp_path / "nope", tmp_path / "fixtures.jsonl"]).load()  # the daemon's loader
+    assert [p.reason for p in live.errors] == [  # it said "serving its last good 0 capabilities"
+        "tap directory is missing; nothing from it is served until it is there",
+        "not a directory; nothing from it is served until it is there"]
     tap = octomind_tap(tmp_path)
     (tap / "capabilities" / "bad name!").mkdir()
     catalog = load_catalog([tap])
