@@ -7,15 +7,19 @@ processes that fit the same head at once (a daemon and a ``capd eval`` on one da
 write their own file, and the last rename wins. With one shared temporary name their writes
 interleaved in one file, and a reader got a zip with a bad CRC. A temporary left by a killed
 writer is recognised by the dead process id in its name (:func:`process_alive`).
+Lock files that several processes hold (a tuned model in use, a daemon's sessions) go through
+:func:`flocked`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import BinaryIO
 
 
 @contextmanager
@@ -53,3 +57,25 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # alive, owned by someone else
         return True
     return True
+
+
+def flocked(path: Path, mode: int) -> BinaryIO | None:
+    """``path`` (created if missing) opened and ``flock``-ed in ``mode``; the lock lasts while the
+    returned file stays open. None when ``mode`` has ``LOCK_NB`` and another holds it. A lock file
+    its remover unlinks while holding it must not leave us locking the unlinked copy, so the lock
+    taken is checked to be on the file still at ``path``; otherwise it is opened again. Raises
+    OSError when the file cannot be opened."""
+    while True:
+        handle = open(path, "a+b")  # noqa: SIM115 - the caller keeps it open: that is the lock
+        try:
+            fcntl.flock(handle, mode)
+        except BlockingIOError:
+            handle.close()
+            return None
+        try:
+            same = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return handle
+        handle.close()

@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 from capd import atomic
 from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
-from capd.settings import Settings
+from capd.settings import Settings, names_a_path
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def _log_broken(exc: ModelError) -> None:
 
 
 def _looks_like_path(model: str) -> bool:
-    return os.sep in model or "/" in model or model.startswith(("~", ".")) or Path(model).expanduser().is_dir()
+    return names_a_path(model) or Path(model).expanduser().is_dir()
 
 
 def manifest_for(settings: Settings) -> ModelManifest:

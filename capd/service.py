@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from capd.atomic import flocked
 from capd.autogates import Fit as AutoFit
 from capd.autogates import auto_gates, examples_of
 from capd.batching import MicroBatcher
@@ -65,16 +66,12 @@ def sessions_owner(path: Path) -> BinaryIO | None:
     own copy of the sessions (read at its start), so two daemons given the same session id would
     overwrite each other's; everything else in a data directory is safe to share."""
     try:
-        handle = open(path.with_name(path.name + ".owner"), "a+b")  # noqa: SIM115 - held open: that is the lock
+        handle = flocked(path.with_name(path.name + ".owner"), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return None  # a data directory that cannot be written: the session store says so
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
+    if handle is None:
         log.warning("another capd daemon keeps its sessions in %s: sessions are not shared between daemons, so "
                     "give each daemon its own session ids (or its own --data-dir)", path)
-        return None
     return handle
 
 

@@ -57,9 +57,9 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from capd.atomic import process_alive
+from capd.atomic import flocked, process_alive
 from capd.catalog import Catalog
 from capd.errors import CapdError, ModelError
 from capd.models import quiet_progress_bars
@@ -179,27 +179,6 @@ def _in_use_path(directory: Path) -> Path:
     return directory.with_name(f".{directory.name}.inuse")
 
 
-def _lock_file(directory: Path, mode: int) -> BinaryIO | None:
-    """``tuned/.KEY.inuse`` opened and locked in ``mode`` (``LOCK_SH``, or ``LOCK_EX | LOCK_NB``:
-    None if someone holds it). A remover unlinks the file while it holds it, so the lock taken
-    must be on the file still at that path: otherwise open it again."""
-    path = _in_use_path(directory)
-    while True:
-        handle = open(path, "a+b")  # noqa: SIM115 - the caller keeps it open: that is the lock
-        try:
-            fcntl.flock(handle, mode)
-        except BlockingIOError:
-            handle.close()
-            return None
-        try:
-            same = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return handle
-        handle.close()
-
-
 class InUse:
     """A shared hold on the tuned model in ``directory`` while this process routes with it:
     :func:`prune` and :func:`remove` leave it alone until :meth:`release`, which also marks it
@@ -209,7 +188,7 @@ class InUse:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         try:
-            self._handle = _lock_file(directory, fcntl.LOCK_SH)
+            self._handle = flocked(_in_use_path(directory), fcntl.LOCK_SH)
         except OSError as exc:
             self._handle = None
             log.warning("cannot mark the tuned model %s as in use (other processes may prune it): %s",
@@ -242,7 +221,7 @@ def _delete(data_dir: Path, directory: Path) -> bool:
     from capd.models import sha256_file
     from capd.onnx_export import onnx_dir
 
-    handle = _lock_file(directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    handle = flocked(_in_use_path(directory), fcntl.LOCK_EX | fcntl.LOCK_NB)
     if handle is None:
         return False
     try:
