@@ -8,14 +8,17 @@ before anyone can connect. uvicorn handles SIGINT / SIGTERM with a graceful shut
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import socket
 from pathlib import Path
+from typing import BinaryIO
 
 import uvicorn
 
 from capd.api import create_app
+from capd.atomic import flocked
 from capd.client import bare_host, base_url
 from capd.errors import CapdError
 from capd.settings import Settings
@@ -25,6 +28,9 @@ log = logging.getLogger(__name__)
 
 class BindError(CapdError):
     """The daemon could not listen where it was told to."""
+
+
+SERVED = "another capd is serving there (stop it, or use another --uds)"
 
 
 # Libraries whose debug lines describe each file event or HTTP call: at ``--log-level debug`` a log
@@ -40,7 +46,8 @@ def configure_logging(level: str) -> None:
             logging.getLogger(name).setLevel(logging.INFO)
 
 
-def bind(settings: Settings) -> socket.socket:
+def bind(settings: Settings) -> tuple[socket.socket, BinaryIO | None]:
+    """The listening socket, and for a Unix socket the lock on its path (held while serving)."""
     if settings.uds is not None:
         return _bind_unix(Path(settings.uds))
     host = bare_host(settings.host)
@@ -56,29 +63,50 @@ def bind(settings: Settings) -> socket.socket:
         hint = " (is another capd running? try --port)" if exc.errno == errno.EADDRINUSE else ""
         where = base_url(host, settings.port).removeprefix("http://")
         raise BindError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
-    return sock
+    return sock, None
 
 
-def _bind_unix(path: Path) -> socket.socket:
-    if path.exists():
-        if not path.is_socket():
-            raise BindError(f"{path} exists and is not a socket; refusing to replace it")
-        _refuse_if_served(path)
-        path.unlink(missing_ok=True)  # stale: left by a daemon that was killed
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket is created 0600: only this user may talk to the daemon
+def lock_path(uds: Path) -> Path:
+    """The file a daemon serving on ``uds`` holds ``flock``-ed: ``<socket>.lock``, beside it."""
+    return uds.with_name(uds.name + ".lock")
+
+
+def _bind_unix(path: Path) -> tuple[socket.socket, BinaryIO]:
+    """Bind ``path``, replacing a stale socket. The probe-unlink-bind sequence runs under an
+    exclusive ``flock`` on :func:`lock_path`, kept for as long as the daemon serves: two daemons
+    starting at once on a stale socket would otherwise both find it stale, and the later one would
+    unlink the earlier one's fresh socket. The kernel drops the lock of a killed daemon, so a stale
+    socket never blocks a start. The probe stays for a daemon that holds no lock (an older capd)."""
     try:
-        sock.bind(str(path))
-    except OSError as exc:  # "AF_UNIX path too long" has no strerror
-        sock.close()
-        raise BindError(f"cannot bind {path}: {exc.strerror or exc}") from None
-    finally:
-        os.umask(old)
+        lock = flocked(lock_path(path), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        raise BindError(f"cannot bind {path}: cannot open {lock_path(path).name} beside it: "
+                        f"{exc.strerror or exc}") from None
+    if lock is None:
+        raise BindError(f"cannot bind {path}: {SERVED}")
+    try:
+        if path.exists():
+            if not path.is_socket():
+                raise BindError(f"{path} exists and is not a socket; refusing to replace it")
+            _refuse_if_served(path)
+            path.unlink(missing_ok=True)  # stale: left by a daemon that was killed
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is created 0600: only this user may talk to the daemon
+        try:
+            sock.bind(str(path))
+        except OSError as exc:  # "AF_UNIX path too long" has no strerror
+            sock.close()
+            raise BindError(f"cannot bind {path}: {exc.strerror or exc}") from None
+        finally:
+            os.umask(old)
+    except BaseException:
+        lock.close()
+        raise
     os.chmod(path, 0o600)
-    # Listening at once (uvicorn would only later): a daemon starting meanwhile on this path then finds
-    # it served, not stale, and refuses instead of replacing it.
+    # Listening at once (uvicorn would only later): an older capd starting meanwhile on this path then
+    # finds it served, not stale, and refuses instead of replacing it.
     sock.listen()
-    return sock
+    return sock, lock
 
 
 def _refuse_if_served(path: Path) -> None:
@@ -93,7 +121,7 @@ def _refuse_if_served(path: Path) -> None:
         except OSError as exc:  # a full backlog (timeout), a socket of another user: not provably stale
             raise BindError(f"cannot bind {path}: cannot tell whether it is in use "
                             f"({exc.strerror or exc}); remove it if no capd is serving there") from None
-    raise BindError(f"cannot bind {path}: another capd is serving there (stop it, or use another --uds)")
+    raise BindError(f"cannot bind {path}: {SERVED}")
 
 
 def socket_identity(path: Path) -> tuple[int, int] | None:
@@ -107,7 +135,7 @@ def socket_identity(path: Path) -> tuple[int, int] | None:
 
 def serve(settings: Settings) -> None:
     configure_logging(settings.log_level)
-    sock = bind(settings)
+    sock, lock = bind(settings)
     # The port actually bound: with --port 0 the system chooses one.
     where = str(settings.uds) if settings.uds is not None else base_url(settings.host, sock.getsockname()[1])
     log.info("capd listening on %s; taps: %s; data: %s", where, ", ".join(map(str, settings.taps)),
@@ -122,7 +150,7 @@ def serve(settings: Settings) -> None:
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, lifespan="on", http="httptools",
                             log_config=None)
     uds = Path(settings.uds) if settings.uds is not None else None
-    server = _Server(config, uds, socket_identity(uds) if uds is not None else None)
+    server = _Server(config, uds, socket_identity(uds) if uds is not None else None, lock)
     try:
         server.run(sockets=[sock])
     finally:
@@ -134,17 +162,24 @@ class _Server(uvicorn.Server):
     """Removes its Unix socket at shutdown: uvicorn re-raises SIGTERM afterwards, so a
     ``finally`` around ``run`` would never see a signal-triggered stop."""
 
-    def __init__(self, config: uvicorn.Config, uds: Path | None, identity: tuple[int, int] | None) -> None:
+    def __init__(self, config: uvicorn.Config, uds: Path | None, identity: tuple[int, int] | None,
+                 lock: BinaryIO | None) -> None:
         super().__init__(config)
         self.uds = uds
         self.identity = identity  # (st_dev, st_ino) of the socket this process bound
+        self.lock = lock  # the flock on the socket's lock file (:func:`lock_path`)
 
     def remove_socket(self) -> None:
         """Unlink the socket only while the path is still the one this process bound: after it was
-        replaced (by a newer daemon, say) the path is someone else's, who would become unreachable."""
+        replaced (by a newer daemon, say) the path is someone else's, who would become unreachable.
+        Then the lock file, while still holding it (a daemon waiting on it reopens the path)."""
         if self.uds is not None and self.identity is not None and socket_identity(self.uds) == self.identity:
             self.uds.unlink(missing_ok=True)
             self.identity = None
+        if self.uds is not None and self.lock is not None:
+            lock_path(self.uds).unlink(missing_ok=True)
+            self.lock.close()
+            self.lock = None
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.remove_socket()  # first: a client then finds no daemon rather than one shutting down

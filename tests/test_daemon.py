@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from capd import daemon
 from capd.client import CapdClient
 from capd.errors import DaemonUnreachable
 from capd.settings import Settings
@@ -214,7 +215,43 @@ def test_a_stale_socket_is_replaced(tmp_path: Path) -> None:
     finally:
         _stop(proc)
         client.close()
-    assert not sock.exists()
+    assert not sock.exists() and not daemon.lock_path(sock).exists()
+
+
+def test_two_daemons_starting_together_on_a_stale_socket_leave_one_serving(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both found the socket stale; the later one's unlink took the earlier one's fresh socket, which
+    then ran unreachable. Here the second start runs between the first one's probe and its unlink."""
+    sock = tmp_path / "capd.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:  # as a daemon killed with -9 leaves it
+        dead.bind(str(sock))
+    probe, second = daemon._refuse_if_served, []
+
+    def then_a_second_start(path: Path) -> None:
+        probe(path)  # stale
+        if not second:
+            second.append(None)
+            try:
+                second[0] = daemon._bind_unix(path)
+            except daemon.BindError as exc:
+                second[0] = exc
+
+    monkeypatch.setattr(daemon, "_refuse_if_served", then_a_second_start)
+    first, lock = daemon._bind_unix(sock)
+    try:
+        assert isinstance(second[0], daemon.BindError), "the second start bound too"
+        assert f"cannot bind {sock}: another capd is serving there" in str(second[0])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(sock))  # the path is the first one's socket
+            first.settimeout(5)
+            first.accept()[0].close()
+    finally:
+        first.close()
+        lock.close()
+    monkeypatch.undo()
+    again, lock = daemon._bind_unix(sock)  # a lock released (the daemon gone) does not block a start
+    again.close()
+    lock.close()
 
 
 def test_a_daemon_removes_only_the_socket_it_created(tmp_path: Path) -> None:
