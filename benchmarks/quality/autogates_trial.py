@@ -16,6 +16,13 @@ candidates). Held-out rows play no part in the choice. Also timed per set, in on
 the corpus, fitting the auto gates (shipped constants: five fold heads and the scoring) and fitting the one
 head the fused rule needs anyway.
 
+Unseen tasks (``--unseen``, screened 2026-11-26, not kept): the corpus's nulls are chitchat,
+feedback and logs, while the shared sets' nulls are requests for tasks the tap lacks. A stand-in
+needing no fixture: the capabilities are split into five groups (a fixed shuffle), and per group a
+head fitted without that group's capabilities scores their examples, each one a request for a task
+the tap (so reduced) does not have. A value R < 1 adds the limit "at most R of those fire" to the
+candidate's limits; 1 adds none (what ships).
+
 Carrying over (``AUTO_REFIT_SHARE``): a daemon keeps its auto gates until more than that share
 of the capabilities changed since the fit. Per set, share (``--shares``) and seed, the gates are
 fitted without a random ``share`` of its capabilities (rounded down), as if those had been added
@@ -61,14 +68,16 @@ from benchmarks.quality.run import (
     trial_bench,
 )
 from capd import autogates, fused
-from capd.calibrate import FUSED_GRID, split
-from capd.evaluation import apply_gates, metrics, score_table
-from capd.fixtures import load_fixtures
+from capd.calibrate import FUSED_GRID, Grid, Point, best_point, split, sweep
+from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
+from capd.fixtures import Fixture, load_fixtures
 from capd.router import abstain_corpus
 from capd.service import Service
 from capd.settings import Settings
 
-Candidate = tuple[float, float, float, str]  # (null rate, level cut, max wrong, coverage axis "on"/"off")
+# (null rate, level cut, max wrong, coverage axis "on"/"off", unseen-task fire rate allowed: 1 is no limit)
+Candidate = tuple[float, float, float, str, float]
+UNSEEN_GROUPS = 5
 
 
 def within(values: dict[str, Any]) -> bool:
@@ -125,6 +134,47 @@ def carry_line(run: dict[str, Any], refitted: Any) -> str:
              f"null {run[part]['null_fpr']} vs {run['refitted'][part]['null_fpr']}" for part in ("fit", "held_out")]
     return (head + f"gates {run['gates']['threshold']:+.2f} / {run['gates']['margin']:.2f} vs refitted "
             f"{refitted.threshold:+.2f} / {refitted.margin:.2f}; " + "; ".join(parts))  # coverage in the JSON
+
+
+def unseen_tasks(examples: autogates.Examples) -> ScoreTable:
+    """Every example as a null, scored by a head fitted without its capability's group (of
+    :data:`UNSEEN_GROUPS`, by a fixed shuffle): a request for a task the tap does not have."""
+    names, labels = examples.names, examples.labels
+    group_of = np.empty(len(names), dtype=np.int64)
+    group_of[np.random.default_rng(0).permutation(len(names))] = np.arange(len(names)) % UNSEEN_GROUPS
+    head_tokens = examples.head.tokens.matrices() if examples.head.tokens is not None else {}
+    scored: list[tuple[list[str], Any]] = []
+    for group in range(UNSEEN_GROUPS):
+        held = np.isin(labels, np.flatnonzero(group_of == group))
+        kept, rows = np.flatnonzero(~held), np.flatnonzero(held)
+        if not len(rows) or not len(kept):
+            continue
+        texts = [examples.texts[i] for i in rows]
+        head = autogates._head(examples, kept)
+        tokens = None if head.tokens is None else [head_tokens[t] for t in texts]
+        scored.append((texts, autogates._score(head, examples, kept, examples.vectors[rows], texts, tokens)))
+    fixtures = tuple(Fixture(t, (), "null", "unseen task") for texts, _ in scored for t in texts)
+    count = len(fixtures)
+    return ScoreTable(fixtures, names, np.vstack([s.fused for _, s in scored]), np.ones(count, dtype=bool),
+                      np.zeros((count, len(names)), dtype=bool), np.vstack([s.level for _, s in scored]),
+                      coverage=np.concatenate([s.winner_coverage for _, s in scored]))
+
+
+def choose_within(examples: autogates.Examples, corpus: Sequence[str], embedded: Any, grid: Grid,
+                  unseen: ScoreTable | None, rate: float) -> Point | None:
+    """``autogates.choose``, with at most ``rate`` of the ``unseen`` tasks firing (``rate`` 1: the same)."""
+    if unseen is None or rate >= 1:
+        return autogates.choose(examples, corpus, embedded, grid)
+    evidence = autogates.evidence(examples, corpus, embedded)
+    if evidence is None:
+        return None
+    fires = sweep(unseen, grid)[2]
+
+    def accept(_: ScoreTable, right: np.ndarray, wrong: np.ndarray, null: np.ndarray) -> np.ndarray:
+        return ((null <= autogates.AUTO_NULL_RATE + 1e-9) & (wrong <= autogates.AUTO_MAX_WRONG + 1e-9)
+                & (fires <= rate + 1e-9))
+
+    return best_point({fused.TOP_K: evidence}, 0.0, 0.0, grid=grid, accept=accept)[0]
 
 
 def fold_sizes(examples: autogates.Examples) -> np.ndarray:
@@ -214,6 +264,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--cuts", default="-0.05,0,0.05,0.1,9")
     parser.add_argument("--wrongs", default=str(autogates.AUTO_MAX_WRONG), help="AUTO_MAX_WRONG values")
     parser.add_argument("--coverage", default="off", help="on: sweep the coverage gate too; off: not (shipped)")
+    parser.add_argument("--unseen", default="1", help="unseen-task fire rates allowed (1: no limit, shipped)")
     parser.add_argument("--shares", default="0.02,0.05", help="carry-over shares to measure")
     parser.add_argument("--folds", default="", help="numbers of folds to compare with all five (e.g. 1,2)")
     parser.add_argument("--generated", type=int, default=0, help="also compare them on the generated tap of this size")
@@ -227,6 +278,7 @@ def main(argv: list[str]) -> None:
     wrongs = [float(w) for w in args.wrongs.split(",")]
     axes = {"on": FUSED_GRID, "off": autogates.AUTO_GRID}  # off: what ships
     coverage_modes = [c for c in args.coverage.split(",") if c in axes]
+    unseen_rates = [float(r) for r in args.unseen.split(",")]
     shipped = autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT, autogates.AUTO_MAX_WRONG
     results: dict[str, dict[Candidate, dict[str, Any]]] = {}
     costs: dict[str, dict[str, float]] = {}
@@ -267,10 +319,11 @@ def main(argv: list[str]) -> None:
                     for run in folds[evalset.name]:
                         print(f"{evalset.name:20s} {fewer_folds_line(run)}", flush=True)
                 per: dict[Candidate, dict[str, Any]] = {}
-                for candidate in itertools.product(rates, cuts, wrongs, coverage_modes):
-                    rate, cut, wrong, axis = candidate
+                unseen = unseen_tasks(examples) if any(r < 1 for r in unseen_rates) else None
+                for candidate in itertools.product(rates, cuts, wrongs, coverage_modes, unseen_rates):
+                    rate, cut, wrong, axis, unseen_rate = candidate
                     autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT, autogates.AUTO_MAX_WRONG = rate, cut, wrong
-                    point = autogates.choose(examples, corpus, embedded, axes[axis])
+                    point = choose_within(examples, corpus, embedded, axes[axis], unseen, unseen_rate)
                     per[candidate] = {} if point is None else {
                         "gates": point.as_dict(),
                         "fit": gated(table, fit_rows, point),
@@ -281,7 +334,7 @@ def main(argv: list[str]) -> None:
                             f"{per[candidate][part]['fired_wrong']:.3f} null {per[candidate][part]['null_fpr']}"
                             for part in ("fit", "held_out")))
                     print(f"{evalset.name:20s} rate={rate:<5g} cut={cut:<5g} wrong={wrong:<5g} coverage={axis:<3} "
-                          f"{line}", flush=True)
+                          f"unseen={unseen_rate:<5g} {line}", flush=True)
                 results[evalset.name] = per
             finally:
                 autogates.AUTO_NULL_RATE, autogates.CORPUS_LEVEL_CUT, autogates.AUTO_MAX_WRONG = shipped
@@ -290,9 +343,10 @@ def main(argv: list[str]) -> None:
             folds[f"generated-{args.generated}"] = generated(args.generated, fold_counts, bench, corpus)
     best, rankable = choose(results) if results else (None, [])
     print(f"chosen on the fit parts (rankable sets: {', '.join(rankable)}): "
-          + ("none" if best is None else f"rate {best[0]:g}, cut {best[1]:g}, wrong {best[2]:g}, coverage {best[3]}")
-          + f"; shipped: rate {shipped[0]:g}, cut {shipped[1]:g}, wrong {shipped[2]:g}")
-    names = ("rate", "cut", "wrong", "coverage")
+          + ("none" if best is None else f"rate {best[0]:g}, cut {best[1]:g}, wrong {best[2]:g}, coverage {best[3]}, "
+             f"unseen {best[4]:g}")
+          + f"; shipped: rate {shipped[0]:g}, cut {shipped[1]:g}, wrong {shipped[2]:g}, coverage off, unseen 1")
+    names = ("rate", "cut", "wrong", "coverage", "unseen")
     report = {"args": vars(args) | {"out": str(args.out)}, "skipped": skipped, "rankable": rankable,
               "chosen": None if best is None else dict(zip(names, best, strict=True)),
               "shipped": dict(zip(names[:3], shipped, strict=True)), "cost_seconds": costs, "carry_over": carried,
