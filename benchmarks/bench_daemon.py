@@ -2,20 +2,25 @@
 
 Run: ``.venv/bin/python -m benchmarks.bench_daemon`` (about 8 minutes once the cache is warm;
 the first run also generates the taps and embeds about 100k triggers, a few minutes more)
-or ``--quick`` (about 1.5 minutes: the 60 and 1,000 capability taps only, shorter loops).
+or ``--quick`` (about 1.5 minutes: the 60 and 1,000 capability taps only, shorter loops), or
+``--overhead`` (the daemon's own cost per route only, printed).
 Writes ``benchmarks/results/daemon{,-quick}.json``, ``.md`` and ``.png``.
 
 For taps of about 60, 1,000 and 10,000 generated capabilities (:mod:`benchmarks.gen_tap`):
 
 - route latency p50 / p99, one keep-alive httpx client, distinct messages, each with a session
   id; in blocks interleaved with the bare ONNX encode of the same messages in this process,
-  so that background load hits both alike;
+  so that background load hits both alike; and the same routes from a minimal keep-alive
+  HTTP/1.1 client on a plain socket (:class:`RawClient`), in the same blocks: httpx's own
+  per-request CPU is part of the first figure (an agent may use any client), not of the daemon;
 - throughput with 1, 8 and 32 concurrent clients (threads, one keep-alive client each);
 - RSS of the daemon after the load; warm start to ready (process spawn to ``/v1/health``
   ready) with the cached data dir, cold start with an empty one (ONNX export + embedding);
 - keeping a rule's fitted state fresh (:func:`rule_upkeep`, 60 and 1,000 capabilities): per rule
   (``capd``, ``fused``), the first start, two tap edits while running, and a restart; and the
   route latency of one client meanwhile, idle and while the edits are applied;
+- the daemon's own cost per route (:func:`daemon_overhead`): the same daemon on the hash model,
+  whose encode takes microseconds, so what remains is HTTP, the framework and capd's own work;
 - in this process: the bare single-message encode (ONNX and torch), capd's scoring
   (``TriggerIndex.top_capabilities``) and the anchor rule's scoring (mean of the top-3 trigger
   cosines of every capability, brute force in numpy) for the same message vectors.
@@ -81,11 +86,13 @@ class Plan:
     ready_timeout_s: float = 900.0
     upkeep_sizes: tuple[int, ...] = (60, 1_000)  # rule_upkeep (the fused rule's fitting), not at 10,000
     probe_seconds: float = 5.0  # rule_upkeep: idle routing before the edits, the baseline for routing during them
+    overhead_routes: int = 3_000  # daemon_overhead: routes on the hash model
 
 
 FULL = Plan()
 QUICK = Plan(sizes=(60, 1_000), latency_messages=300, latency_budget_s=10.0, torch_messages=100, level_seconds=2.5,
-             warm_runs=2, cold_sizes=(60,), torch_daemon=False, scoring_messages=100, upkeep_sizes=(60,))
+             warm_runs=2, cold_sizes=(60,), torch_daemon=False, scoring_messages=100, upkeep_sizes=(60,),
+             overhead_routes=1_000)
 
 
 # -- small helpers ----------------------------------------------------------------------------
@@ -125,14 +132,16 @@ def ratio(a: float, b: float) -> float:
 class Daemon:
     """One ``python -m capd serve`` process on a free loopback port; stderr goes to a log file."""
 
-    def __init__(self, tap: Path, data_dir: Path, log_dir: Path, backend: str = "onnx", rule: str = "capd") -> None:
+    def __init__(self, tap: Path, data_dir: Path, log_dir: Path, backend: str = "onnx", rule: str = "capd",
+                 model: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"daemon-{self.port}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("CAPD_")}
         env["XDG_CONFIG_HOME"] = str(log_dir)  # no user config file leaks into the measurement
         command = [sys.executable, "-m", "capd", "serve", "--tap", str(tap), "--data-dir", str(data_dir),
-                   "--port", str(self.port), "--backend", backend, "--rule", rule]
+                   "--port", str(self.port), "--backend", backend, "--rule", rule,
+                   *(["--model", model] if model else [])]
         self._log = self.log_path.open("wb")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log, env=env, cwd=ROOT)
@@ -209,32 +218,100 @@ def fresh_sessions(data_dir: Path) -> None:
 
 # -- measurements -----------------------------------------------------------------------------
 
+class RawClient:
+    """A minimal keep-alive HTTP/1.1 client on a plain socket (JSON POSTs, Content-Length replies
+    only): what a route costs without an HTTP library's own per-request work in this process."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30.0)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = self.sock.makefile("rb")
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        payload = json.dumps(body).encode()
+        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        status = self.reader.readline().split(b" ", 2)
+        length = None
+        while (line := self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if length is None or len(status) < 2 or status[1] != b"200":
+            raise RuntimeError(f"raw client: {path} answered {status!r} (content-length {length})")
+        answer: dict[str, Any] = json.loads(self.reader.read(length))
+        return answer
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
 def route_and_encode(daemon: Daemon, encoder: Encoder, messages: list[str], budget_s: float,
                      prefix: str) -> dict[str, Any]:
-    """One client: route latency, interleaved by block with the bare encode of the same messages."""
+    """One client: route latency through httpx and through :class:`RawClient`, interleaved by block
+    with the bare encode of the same messages (each route client sends each message once, with a
+    suffix of its own, so that no message repeats)."""
     routes: list[float] = []
+    raw_routes: list[float] = []
     encodes: list[float] = []
     decisions: dict[str, int] = {}
     deadline = time.monotonic() + budget_s
-    with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
-        for i in range(20):  # warm the connection, the threadpool and the model
-            client.post("/v1/route", json={"session": f"{prefix}-warm", "message": f"warm up {i}: {messages[i]}"})
-        for start in range(0, len(messages), BLOCK):
-            if time.monotonic() > deadline:
-                break
-            block = messages[start:start + BLOCK]
-            for message in block:
-                text = clean_message(message, 0)[0]
-                encodes.append(timed(lambda t=text: encoder.embed([t])))  # type: ignore[misc]
-            for offset, message in enumerate(block):
-                body = {"session": f"{prefix}-{(start + offset) // 25}", "message": message}
-                began = time.perf_counter()
-                response = client.post("/v1/route", json=body)
-                payload = response.json()
-                routes.append((time.perf_counter() - began) * 1000)
-                response.raise_for_status()
-                decisions[payload["decision"]] = decisions.get(payload["decision"], 0) + 1
-    return {"route": stats(routes), "encode": stats(encodes), "decisions": decisions}
+    raw = RawClient(daemon.port)
+    try:
+        with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
+            for i in range(20):  # warm the connections, the threadpool and the model
+                warm = {"session": f"{prefix}-warm", "message": f"warm up {i}: {messages[i]}"}
+                client.post("/v1/route", json=warm)
+                raw.post("/v1/route", warm)
+            for start in range(0, len(messages), BLOCK):
+                if time.monotonic() > deadline:
+                    break
+                block = messages[start:start + BLOCK]
+                for message in block:
+                    text = clean_message(message, 0)[0]
+                    encodes.append(timed(lambda t=text: encoder.embed([t])))  # type: ignore[misc]
+                for offset, message in enumerate(block):
+                    body = {"session": f"{prefix}-{(start + offset) // 25}", "message": message}
+                    began = time.perf_counter()
+                    response = client.post("/v1/route", json=body)
+                    payload = response.json()
+                    routes.append((time.perf_counter() - began) * 1000)
+                    response.raise_for_status()
+                    decisions[payload["decision"]] = decisions.get(payload["decision"], 0) + 1
+                for offset, message in enumerate(block):
+                    body = {"session": f"{prefix}-raw-{(start + offset) // 25}", "message": f"{message} (raw)"}
+                    raw_routes.append(timed(lambda b=body: raw.post("/v1/route", b)))  # type: ignore[misc]
+    finally:
+        raw.close()
+    return {"route": stats(routes), "route_raw_client": stats(raw_routes), "encode": stats(encodes),
+            "decisions": decisions}
+
+
+def daemon_overhead(plan: Plan, messages: list[str], log_dir: Path) -> dict[str, Any]:
+    """What the daemon itself costs per route, apart from the model: a daemon on the hash model
+    (an encode of microseconds) and the smallest tap, one :class:`RawClient`, routes with session
+    ids. Latency p50 / p99 and the daemon's CPU per route (HTTP, the framework, the micro-batcher's
+    and the decision's thread hand-offs, scoring, the session commit)."""
+    tap = gen_tap.cached_tap(plan.sizes[0], CACHE)
+    with tempfile.TemporaryDirectory(prefix="capd-bench-overhead-") as data_dir:
+        daemon = Daemon(tap, Path(data_dir), log_dir, model="hash")
+        try:
+            daemon.wait_ready(plan.ready_timeout_s)
+            raw = RawClient(daemon.port)
+            try:
+                for i in range(100):
+                    raw.post("/v1/route", {"session": "warm", "message": f"warm up {i}: {messages[i]}"})
+                cpu, latencies = daemon.cpu_seconds(), []
+                for i in range(plan.overhead_routes):
+                    body = {"session": f"overhead-{i // 25}", "message": messages[i % len(messages)]}
+                    latencies.append(timed(lambda b=body: raw.post("/v1/route", b)))  # type: ignore[misc]
+                cpu_ms = (daemon.cpu_seconds() - cpu) / plan.overhead_routes * 1000
+            finally:
+                raw.close()
+        finally:
+            daemon.stop()
+    return {"route": stats(latencies), "daemon_cpu_ms_per_route": round(cpu_ms, 3)}
 
 
 def throughput(daemon: Daemon, messages: list[str], clients: int, seconds: float, max_requests: int,
@@ -555,6 +632,7 @@ def derive(result: dict[str, Any]) -> None:
         anchor = row["scoring"]["anchor_brute"]["p50_ms"]
         row["ratios"] = {
             "route_p50_over_encode_p50": ratio(route, enc),
+            "raw_client_route_p50_over_encode_p50": ratio(one["route_raw_client"]["p50_ms"], enc),
             "route_p99_over_route_p50": ratio(one["route"]["p99_ms"], route),
             "route_p50_over_anchor_in_process": ratio(route, enc + anchor),
             "capd_scoring_over_encode": ratio(row["scoring"]["capd_top5"]["p50_ms"], enc),
@@ -596,7 +674,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`{result['command']}` on {result['machine']}; load average {result['load_before']} before, "
         f"{result['load_after']} after; {result['minutes']} min. Real `capd serve` process, loopback HTTP, "
-        "keep-alive httpx clients, ONNX backend, distinct messages with session ids.",
+        "keep-alive httpx clients (and one raw-socket HTTP client), ONNX backend, distinct messages with session ids.",
         "",
         head,
         "|---|" + "---|" * len(sizes),
@@ -607,6 +685,10 @@ def markdown(result: dict[str, Any]) -> str:
             lambda r: f"{r['one_client']['encode']['p50_ms']:.2f} / {r['one_client']['encode']['p99_ms']:.2f}") + " |",
         "| **route p50 / bare encode p50** | " + cells(lambda r: f"**{r['ratios']['route_p50_over_encode_p50']}x**")
         + " |",
+        "| route p50 / p99, 1 raw-socket HTTP client (ms; p50 / bare encode p50) | " + cells(
+            lambda r: f"{r['one_client']['route_raw_client']['p50_ms']:.2f} / "
+                      f"{r['one_client']['route_raw_client']['p99_ms']:.2f} "
+                      f"({r['ratios']['raw_client_route_p50_over_encode_p50']}x)") + " |",
         "| route p99 / route p50 | " + cells(lambda r: f"{r['ratios']['route_p99_over_route_p50']}x") + " |",
         "| capd scoring, top-5 exact (ms; / encode) | " + cells(
             lambda r: f"{r['scoring']['capd_top5']['p50_ms']:.3f} ({r['ratios']['capd_scoring_over_encode']}x)")
@@ -651,6 +733,12 @@ def markdown(result: dict[str, Any]) -> str:
     elif "torch_encode" in result:
         lines += [f"Bare torch encode p50 / p99: {result['torch_encode']['p50_ms']:.2f} / "
                   f"{result['torch_encode']['p99_ms']:.2f} ms (ONNX / torch: {result['onnx_over_torch']}x).", ""]
+    overhead = result.get("overhead")
+    if overhead:
+        lines += [f"The daemon's own cost per route (hash model, whose encode takes microseconds; {sizes[0]:,} caps, "
+                  f"one raw-socket client, session ids): p50 / p99 {overhead['route']['p50_ms']:.2f} / "
+                  f"{overhead['route']['p99_ms']:.2f} ms, daemon CPU {overhead['daemon_cpu_ms_per_route']:.2f} ms "
+                  "per route.", ""]
     cold_notes = [f"{s:,}: {rows[str(s)]['cold_start']['measured']}" for s in sizes
                   if rows[str(s)]["cold_start"]["measured"] != "this run"]
     if cold_notes:
@@ -737,10 +825,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "benchmarks/results/upkeep.{json,md}")
     parser.add_argument("--probe-seconds", type=float, default=FULL.probe_seconds,
                         help="rule_upkeep's idle routing before the edits; 0: no client routes at all")
+    parser.add_argument("--overhead", action="store_true",
+                        help="only the daemon's own cost per route (hash model), printed (~15 s)")
     args = parser.parse_args(argv if argv is not None else [])
     plan = replace(QUICK if args.quick else FULL, probe_seconds=args.probe_seconds)
     if args.upkeep:
         return upkeep_only([int(size) for size in args.upkeep.split(",")], plan)
+    if args.overhead:
+        with tempfile.TemporaryDirectory(prefix="capd-bench-daemon-") as logs:
+            overhead = daemon_overhead(plan, gen_tap.messages(4_000, tap_size=plan.sizes[0]), Path(logs))
+        print(json.dumps(overhead))
+        return overhead
     began = time.perf_counter()
     load_before = load_average()
     log_dir = Path(tempfile.mkdtemp(prefix="capd-bench-daemon-"))
@@ -757,6 +852,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         onnx = open_encoder(settings)
         for message in messages[:20]:
             onnx.embed([message])
+        print("== the daemon's own cost per route (hash model)", flush=True)
+        result["overhead"] = daemon_overhead(plan, messages, log_dir)
         for size in plan.sizes:
             print(f"== {size:,} capabilities", flush=True)
             result["by_size"][str(size)] = bench_size(size, plan, onnx, messages, log_dir)

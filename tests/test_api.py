@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from starlette.types import Receive, Scope, Send
 
 import capd.api
 from capd.api import create_app, upkeep
@@ -131,6 +132,53 @@ def test_drop_session_and_capability_tool(api: TestClient) -> None:
     dropped = api.delete("/v1/sessions/s5").json()
     assert dropped["plan"]["teardown"][0]["kill"] is True
     assert api.get("/v1/sessions/s5").status_code == 404
+
+
+def test_the_fast_route_path_answers_exactly_as_the_fastapi_route(tmp_path: Path, model_settings: Settings,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``POST /v1/route`` skips FastAPI's routing (capd.api._FastRoute). Every request here, good or
+    bad, gets the same status, body and content type with it as from the FastAPI route alone."""
+    json_type = {"content-type": "application/json"}
+    requests: list[tuple[bytes, dict[str, str]]] = [
+        (json.dumps(body).encode(), json_type) for body in (
+            {"session": "a", "message": "please run a query on the postgres database"},
+            {"session": "a", "message": "show me the postgres tables"},  # already active
+            {"message": "ok"},
+            {"session": "a", "message": "x" * (64 * 1024 + 1)},  # 413 from the handler
+            {"sesion": "a", "message": "please run a query on the postgres database"},
+            {"session": "a", "message": 42},
+            {"session": "../../etc", "message": "hello there friend"},
+            {"message": None},
+            [],
+        )] + [
+        (b"{not json", json_type),
+        (b'{"session": "a", "message": "\\ud800 broken"}', json_type),
+    ] + [(b'{"message": "please run a query on the postgres database"}', headers) for headers in (
+        {},  # no content type
+        {"content-type": "text/plain"},
+        {"content-type": "application/json; charset=utf-8"},
+    )]
+
+    def answers(name: str) -> list[tuple[int, str, object]]:
+        settings = replace(isolated_data_dir(model_settings, tmp_path / name), taps=(octomind_tap(tmp_path / name),))
+        with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+            out = []
+            for content, headers in requests:
+                response = client.post("/v1/route", content=content, headers=headers)
+                out.append((response.status_code, response.headers["content-type"], response.json()))
+            metrics = [line for line in client.get("/metrics").text.splitlines() if "capd_requests_total{" in line]
+            out.append((0, "metrics", metrics))
+            return out
+
+    fast = answers("fast")
+
+    async def to_fastapi(self: capd.api._FastRoute, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+    monkeypatch.setattr(capd.api._FastRoute, "__call__", to_fastapi)  # every request through FastAPI's route
+    assert answers("fastapi") == fast
+    statuses = [status for status, _, _ in fast[:-1]]
+    assert statuses == [200, 200, 200, 413, 422, 422, 422, 422, 422, 422, 422, 422, 422, 200], statuses
 
 
 def test_metrics_and_reload(api: TestClient) -> None:
