@@ -235,3 +235,15 @@ def test_a_broken_manifest_stops_only_the_commands_that_use_it(tmp_path: Path) -
     assert result.exit_code == 0, result.output
     rows = {row["name"]: row for row in json.loads(result.output)["models"]}
     assert rows["all-minilm-l6-v2"]["current"] and "invalid TOML" in rows["zz-broken"]["reason"]
+
+
+@pytest.mark.parametrize("spelling", ["./m", "m/", "m"])
+def test_capd_models_marks_a_model_directory_current_however_its_path_is_spelled(
+        tmp_path: Path, bundled_dir: Path, monkeypatch: pytest.MonkeyPatch, spelling: str) -> None:
+    """``--model ./m`` listed the directory's row without the mark: no model was current."""
+    _linked_copy(bundled_dir, tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["models", "--model", spelling, "--json", "--data-dir", str(tmp_path / "d")])
+    assert result.exit_code == 0, result.output
+    current = [row["name"] for row in json.loads(result.output)["models"] if row["current"]]
+    assert current == ["m"]

@@ -173,8 +173,9 @@ def models(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, m
     rows += [{"name": name, "current": name == settings.model, "available": False, "reason": str(exc)}
              for name, exc in broken.items()]  # listed with their reason: this is where one looks
     if settings.model not in manifests and settings.model not in broken:
-        try:
-            rows.append(_model_row(manifest_for(settings), settings.model, settings.backend, verify, settings.data_dir))
+        try:  # a model directory: its row is the current model, however the path was spelled
+            row = _model_row(manifest_for(settings), settings.model, settings.backend, verify, settings.data_dir)
+            rows.append({**row, "current": True})
         except ModelError as exc:
             rows.append({"name": settings.model, "current": True, "available": False, "reason": str(exc)})
     if as_json:
