@@ -1,6 +1,6 @@
 """Daemon benchmark: a real ``capd serve`` process over loopback HTTP, against the bare encoder.
 
-Run: ``.venv/bin/python -m benchmarks.bench_daemon`` (about 8 minutes once the cache is warm;
+Run: ``.venv/bin/python -m benchmarks.bench_daemon`` (about 14 minutes here once the cache is warm;
 the first run also generates the taps and embeds about 100k triggers, a few minutes more)
 or ``--quick`` (about 1.5 minutes: the 60 and 1,000 capability taps only, shorter loops), or
 ``--overhead`` (the daemon's own cost per route only, printed).
