@@ -369,6 +369,7 @@ class _FastRoute:
         self.route = route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["route"] = self.route  # as the app's router would set it: a body over the limit is counted here too
         read: list[Message] = []
         while not read or (read[-1]["type"] == "http.request" and read[-1].get("more_body", False)):
             read.append(await receive())
@@ -376,7 +377,6 @@ class _FastRoute:
         if body is None:
             await self.app(scope, self._replay(read, receive), send)
             return
-        scope["route"] = self.route
         fastapi_app = scope["app"]
         try:
             response = await _route(fastapi_app.state.service, body)

@@ -298,6 +298,7 @@ def test_chunked_body_over_the_limit_is_413(api: TestClient) -> None:
     huge = api.post("/v1/route", content=chunks(80), headers=headers)  # 5 MB
     assert huge.status_code == 413
     assert huge.json() == {"error": "too_large", "detail": "request body over 262144 bytes"}
+    assert 'capd_requests_total{method="POST",path="/v1/route",status="413"} 1' in api.get("/metrics").text
 
 
 def test_whitespace_only_intent_is_empty(api: TestClient) -> None:
