@@ -201,8 +201,8 @@ class Daemon:
 
 @contextmanager
 def running(tap: Path, data_dir: Path, log_dir: Path, timeout: float, backend: str = "onnx",
-            rule: str = "capd") -> Iterator[tuple[Daemon, float, dict[str, Any]]]:
-    daemon = Daemon(tap, data_dir, log_dir, backend, rule)
+            rule: str = "capd", model: str | None = None) -> Iterator[tuple[Daemon, float, dict[str, Any]]]:
+    daemon = Daemon(tap, data_dir, log_dir, backend, rule, model)
     try:
         seconds, health = daemon.wait_ready(timeout)
         yield daemon, seconds, health
@@ -294,23 +294,19 @@ def daemon_overhead(plan: Plan, messages: list[str], log_dir: Path) -> dict[str,
     ids. Latency p50 / p99 and the daemon's CPU per route (HTTP, the framework, the micro-batcher's
     and the decision's thread hand-offs, scoring, the session commit)."""
     tap = gen_tap.cached_tap(plan.sizes[0], CACHE)
-    with tempfile.TemporaryDirectory(prefix="capd-bench-overhead-") as data_dir:
-        daemon = Daemon(tap, Path(data_dir), log_dir, model="hash")
+    with tempfile.TemporaryDirectory(prefix="capd-bench-overhead-") as data_dir, \
+            running(tap, Path(data_dir), log_dir, plan.ready_timeout_s, model="hash") as (daemon, _, _):
+        raw = RawClient(daemon.port)
         try:
-            daemon.wait_ready(plan.ready_timeout_s)
-            raw = RawClient(daemon.port)
-            try:
-                for i in range(100):
-                    raw.post("/v1/route", {"session": "warm", "message": f"warm up {i}: {messages[i]}"})
-                cpu, latencies = daemon.cpu_seconds(), []
-                for i in range(plan.overhead_routes):
-                    body = {"session": f"overhead-{i // 25}", "message": messages[i % len(messages)]}
-                    latencies.append(timed(lambda b=body: raw.post("/v1/route", b)))  # type: ignore[misc]
-                cpu_ms = (daemon.cpu_seconds() - cpu) / plan.overhead_routes * 1000
-            finally:
-                raw.close()
+            for i in range(100):
+                raw.post("/v1/route", {"session": "warm", "message": f"warm up {i}: {messages[i]}"})
+            cpu, latencies = daemon.cpu_seconds(), []
+            for i in range(plan.overhead_routes):
+                body = {"session": f"overhead-{i // 25}", "message": messages[i % len(messages)]}
+                latencies.append(timed(lambda b=body: raw.post("/v1/route", b)))  # type: ignore[misc]
+            cpu_ms = (daemon.cpu_seconds() - cpu) / plan.overhead_routes * 1000
         finally:
-            daemon.stop()
+            raw.close()
     return {"route": stats(latencies), "daemon_cpu_ms_per_route": round(cpu_ms, 3)}
 
 

@@ -172,10 +172,10 @@ class _Guard:
     HTTP overhead of a route).
     """
 
-    def __init__(self, app: ASGIApp, token: str | None, fast_route: Callable[[ASGIApp], ASGIApp]) -> None:
+    def __init__(self, app: ASGIApp, token: str | None, route: Any) -> None:
         self.app = app
         self.token = token
-        self.fast_route = fast_route(app)  # POST /v1/route (_FastRoute), with app behind it
+        self.fast_route = _FastRoute(app, route)  # POST /v1/route; ``route`` is the app's route object
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -239,11 +239,9 @@ class _Guard:
 
 
 def _install_middleware(app: FastAPI, settings: Settings) -> None:
-    def fast_route(inner: ASGIApp) -> ASGIApp:  # the app's route object, found once the routes exist
-        route = next(r for r in app.routes if getattr(r, "path", None) == ROUTE_PATH)
-        return _FastRoute(inner, route)
-
-    app.add_middleware(_Guard, token=settings.token, fast_route=fast_route)
+    """After the routes: the guard's fast path counts its requests under the app's route object."""
+    route = next(r for r in app.routes if getattr(r, "path", None) == ROUTE_PATH)
+    app.add_middleware(_Guard, token=settings.token, route=route)
 
 
 def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool = True,
@@ -294,8 +292,8 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
                   description="Local capability router for AI agents. See DESIGN.md.",
                   redirect_slashes=False)  # a trailing slash is a 404 with a reason, not a bare 307
     _install_handlers(app)
-    _install_middleware(app, settings)
     _install_routes(app)
+    _install_middleware(app, settings)
     return app
 
 
@@ -341,7 +339,7 @@ def _registry(request: Request) -> Any:
 
 async def _route(service: Service, body: RouteBody) -> Response:
     """``POST /v1/route``. async: the turn waits on the micro-batcher's future, not in a threadpool
-    thread; the decision and session plan after the encode run on the loop (no I/O but a SQLite commit)."""
+    thread (:meth:`~capd.service.Service.aroute` says where the decision runs)."""
     _check_size(body.message, "message")
     if service.startup_error is not None and not service.ready:  # never "warming up" forever
         raise ApiError(503, "warming_up", f"failed to start: {service.startup_error}")
