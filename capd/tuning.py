@@ -57,7 +57,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from capd.atomic import flocked, process_alive
 from capd.catalog import Catalog
@@ -91,6 +91,7 @@ RECIPE = Recipe()
 
 Groups = list[tuple[str, list[str]]]  # (capability, its examples)
 Pair = tuple[int, str, str]  # (capability index, example, another example of it)
+Labelled = TypeVar("Labelled", bound=tuple[int, Any, Any])  # a pair of some kind, capability index first
 Batcher = Callable[[list[Pair], int, random.Random], list[list[Pair]]]
 
 
@@ -332,13 +333,13 @@ def pairs(groups: Groups, per_example: int, rng: random.Random) -> list[Pair]:
     return out
 
 
-def batches(items: list[Pair], size: int, rng: random.Random) -> list[list[Pair]]:
-    """Shuffled batches of at most ``size`` pairs in which no capability appears twice."""
+def batches(items: list[Labelled], size: int, rng: random.Random) -> list[list[Labelled]]:
+    """Shuffled batches of at most ``size`` pairs (capability first) in which no capability appears twice."""
     pending = items[:]
     rng.shuffle(pending)
-    out: list[list[Pair]] = []
+    out: list[list[Labelled]] = []
     while pending:
-        batch: list[Pair] = []
+        batch: list[Labelled] = []
         seen: set[int] = set()
         rest = []
         for item in pending:
