@@ -251,8 +251,15 @@ class Service:
             self._close_encoder(self.encoder)
             if self.learned is not None:
                 self.learned.close()
+            if self.registry is not None:  # before letting go of the file: a last try at what is pending
+                store = self.registry.store
+                if unsaved := store.close():
+                    log.warning("%d session change(s) could not be saved to %s before capd stopped: %s",
+                                unsaved, store.path, store.last_error)
             if self._sessions_owner is not None:
                 self._sessions_owner.close()
+            if self._cache is not None:
+                self._cache.close()
 
     def _register_gauges(self) -> None:
         self.metrics.gauge("capd_capabilities", "Capabilities in the catalog.", lambda: len(self.catalog_now()))

@@ -330,11 +330,23 @@ class SessionStore:
                 conn.execute("ROLLBACK")
             raise
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Commit what is still pending (one last try, waiting for another process's lock as a healthy
+        write does), then close. Returns how many changes could not be committed and are lost with
+        this process (0 normally; always 0 in memory, where nothing outlives it anyway)."""
+        with self._db_lock:
+            if self._conn is None:
+                return 0  # closed before: already counted then
+            if self.persistent and self.last_error is not None:
+                self._set_wait(self._conn, self._wait_ms)  # failing writes stopped waiting; this one may
+        if self.persistent:
+            with contextlib.suppress(StateError):  # what it could not commit is counted below
+                self._flush()
         with self._db_lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+        return self.pending if self.persistent else 0
 
     def __enter__(self) -> SessionStore:
         return self

@@ -227,6 +227,40 @@ def test_the_service_reattaches_its_session_file(tmp_path: Path, tap: Path, monk
         assert stored.ids() == ("s1",)
 
 
+@pytest.mark.parametrize("released", [True, False], ids=["lock released", "lock still held"])
+def test_a_stopping_service_commits_what_a_locked_file_held_back(
+        tmp_path: Path, tap: Path, caplog: pytest.LogCaptureFixture, released: bool) -> None:
+    """A change another process's lock kept from the file is committed when the service stops, or
+    counted in a warning when the lock is still held; either way the files are closed, so no
+    write-ahead log is left beside them."""
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
+    path = settings.data_dir / FILENAME
+    service = Service(settings, sessions=True).start()
+    assert service.registry is not None
+    service.registry.activate("s1", "git")  # committed
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        service.registry.activate("s1", "rust")  # held back: kept in memory, pending
+        assert service.registry.store.pending == 1
+        if released:
+            blocker.execute("ROLLBACK")
+        with caplog.at_level(logging.WARNING, logger="capd.service"):
+            service.close()
+    finally:
+        if blocker.in_transaction:
+            blocker.execute("ROLLBACK")
+        blocker.close()
+    with SessionStore(path) as stored:
+        active = [a.name for a in (stored.get("s1") or SessionRecord("", 0, 0)).active]
+    if released:
+        assert active == ["git", "rust"] and "could not be saved" not in caplog.text
+        assert not [f.name for f in settings.data_dir.iterdir() if f.name.endswith(("-wal", "-shm"))]
+    else:
+        assert active == ["git"]
+        assert f"1 session change(s) could not be saved to {path} before capd stopped" in caplog.text
+
+
 def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog, caplog: pytest.LogCaptureFixture,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A locked file costs one wait, not one per call: once a write has failed, the next ones try
