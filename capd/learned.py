@@ -29,7 +29,11 @@ still be corrected by an enable (*message → X* after Y was refused; enabling Y
 records *message → Y*, so the agent's last word wins); turns that
 were ``skipped`` (too short) are passed over; a turn that routed to X itself means there is
 nothing to learn; the recent turns are kept in memory, so a restart forgets them (not the
-learned entries). A data directory that cannot be written keeps learned entries in memory.
+learned entries). A data directory that cannot be written keeps learned entries in memory; so does
+a file that will not take a correction later (locked, disk full), until a write or a
+:meth:`LearnedStore.version` check succeeds (:meth:`LearnedStore.close` tries once more). Such a
+held-back correction lives in the daemon only: ``capd learned forget``, another process, does not
+see it until it is stored.
 
 Other processes write the file too: ``capd learned forget``, and a second daemon sharing the data
 directory (another port or socket). A daemon notices their commits within
@@ -42,6 +46,7 @@ whoever can is seen at the next start), and corrections learned meanwhile live o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
@@ -59,6 +64,7 @@ WINDOW = 3  # routed turns within which a manual enable counts as a correction
 # Per capability and kind. Taps here have 5-30 triggers per capability: 100 lets corrections
 # outnumber a capability's own triggers several times over, and bounds what one agent can add.
 MAX_PER_CAPABILITY = 100
+WRITE_WAIT = 5.0  # seconds a write waits for another process's lock on the file
 MAX_SESSIONS = 10_000  # sessions whose recent turns are remembered (least recently routed forgotten first)
 FILE_NAME = "learned.sqlite3"
 _SCHEMA = """
@@ -99,7 +105,8 @@ class Learned:
 class LearnedStore:
     """Learned examples in SQLite; in memory when ``path`` is None or cannot be written."""
 
-    def __init__(self, path: Path | None, limit: int = MAX_PER_CAPABILITY) -> None:
+    def __init__(self, path: Path | None, limit: int = MAX_PER_CAPABILITY, timeout: float = WRITE_WAIT) -> None:
+        """``timeout``: how long a write waits for another process's lock on the file."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         self.path = path
@@ -109,17 +116,27 @@ class LearnedStore:
         self._closed = False
         self._unreadable = False  # version() failed and said so: quiet until it works again
         self._lock = threading.Lock()
+        self._timeout = timeout
+        # Corrections the file would not take (locked, disk full): used, and stored at the next write
+        # or check that succeeds. Keyed like the table; each (tap, capability, kind) keeps its latest ``limit``.
+        self._unsaved: dict[tuple[str, str, str], Learned] = {}
         self._conn = self._connect(path)
 
     @classmethod
     def open(cls, data_dir: Path, limit: int = MAX_PER_CAPABILITY) -> LearnedStore:
         return cls(Path(data_dir) / FILE_NAME, limit)
 
+    @property
+    def unsaved(self) -> int:
+        """Corrections in use but not yet in the file (0 when healthy)."""
+        with self._lock:
+            return len(self._unsaved)
+
     def _connect(self, path: Path | None) -> sqlite3.Connection:
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                conn = sqlite3.connect(path, check_same_thread=False, timeout=5.0)
+                conn = sqlite3.connect(path, check_same_thread=False, timeout=self._timeout)
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute(_SCHEMA)
                 if "kind" not in {row[1] for row in conn.execute("PRAGMA table_info(learned)")}:
@@ -163,46 +180,117 @@ class LearnedStore:
     def record(self, tap: Path | str, capability: str, message: str, previous: str | None = None,
                session: str | None = None, kind: str = "trigger") -> bool:
         """Store one correction (replacing one of the other kind), dropping the capability's oldest
-        of that kind beyond :attr:`limit`; False when it was already known."""
+        of that kind beyond :attr:`limit`; False when it was already known. When the file will not
+        take it, it is kept in memory (used all the same, listed in :attr:`error`) until a later
+        write or :meth:`version` check stores it."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        entry = Learned(str(tap), capability, message, previous, session, time.time(), kind)
         try:
             with self._cursor() as conn:
-                cursor = conn.execute(
-                    "INSERT INTO learned (tap, capability, message, previous, session, created, kind) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tap, capability, message) DO UPDATE SET "
-                    "kind = excluded.kind, previous = excluded.previous, session = excluded.session, "
-                    "created = excluded.created WHERE learned.kind != excluded.kind",
-                    (str(tap), capability, message, previous, session, time.time(), kind))
-                if cursor.rowcount == 0:
-                    return False
-                key = (str(tap), capability, kind)
-                dropped = conn.execute(
-                    "DELETE FROM learned WHERE tap = ? AND capability = ? AND kind = ? AND rowid NOT IN ("
-                    "SELECT rowid FROM learned WHERE tap = ? AND capability = ? AND kind = ? "
-                    "ORDER BY created DESC, rowid DESC LIMIT ?)", (*key, *key, self.limit)).rowcount
-                if dropped:
-                    log.info("learned: %s keeps its latest %d %s corrections (dropped the oldest %d)",
-                             capability, self.limit, kind, dropped)
-                return True
+                stored = self._insert(conn, entry)
         except sqlite3.Error as exc:
-            log.error("cannot record a learned example for %s: %s", capability, exc)
+            if not self.persistent:
+                log.error("cannot record a learned example for %s: %s", capability, exc)
+                return False
+            return self._hold(entry, exc)
+        self._store_unsaved()
+        return stored
+
+    def _insert(self, conn: sqlite3.Connection, entry: Learned) -> bool:
+        cursor = conn.execute(
+            "INSERT INTO learned (tap, capability, message, previous, session, created, kind) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tap, capability, message) DO UPDATE SET "
+            "kind = excluded.kind, previous = excluded.previous, session = excluded.session, "
+            "created = excluded.created WHERE learned.kind != excluded.kind",
+            (entry.tap, entry.capability, entry.message, entry.previous, entry.session, entry.created, entry.kind))
+        if cursor.rowcount == 0:
             return False
+        key = (entry.tap, entry.capability, entry.kind)
+        dropped = conn.execute(
+            "DELETE FROM learned WHERE tap = ? AND capability = ? AND kind = ? AND rowid NOT IN ("
+            "SELECT rowid FROM learned WHERE tap = ? AND capability = ? AND kind = ? "
+            "ORDER BY created DESC, rowid DESC LIMIT ?)", (*key, *key, self.limit)).rowcount
+        if dropped:
+            log.info("learned: %s keeps its latest %d %s corrections (dropped the oldest %d)",
+                     entry.capability, self.limit, entry.kind, dropped)
+        return True
+
+    def _hold(self, entry: Learned, exc: sqlite3.Error) -> bool:
+        """Keep ``entry`` in memory because the file would not take it; False when already known."""
+        key = (entry.tap, entry.capability, entry.message)
+        with self._lock:
+            held = self._unsaved.get(key)
+            if held is not None and held.kind == entry.kind:
+                return False
+            if held is None:
+                with contextlib.suppress(sqlite3.Error):  # reading usually still works: the file may know it
+                    row = self._conn.execute("SELECT kind FROM learned WHERE tap = ? AND capability = ? AND "
+                                             "message = ?", key).fetchone()
+                    if row is not None and row[0] == entry.kind:
+                        return False
+            self._unsaved[key] = entry
+            group = sorted((e for e in self._unsaved.values() if (e.tap, e.capability, e.kind)
+                            == (entry.tap, entry.capability, entry.kind)), key=lambda e: e.created)
+            for old in group[:-self.limit]:
+                del self._unsaved[(old.tap, old.capability, old.message)]
+            first = self.error is None
+            self.error = (f"cannot store learned examples in {self.path}: {exc}; {len(self._unsaved)} new "
+                          "correction(s) are used from memory until it can")
+        if first:
+            log.warning("%s", self.error)
+        return True
+
+    def _store_unsaved(self) -> None:
+        """Write the corrections held in memory, if any, now that the file may take them."""
+        with self._lock:
+            if not self._unsaved or self._closed:
+                return
+            try:
+                with self._conn:
+                    for entry in sorted(self._unsaved.values(), key=lambda e: e.created):
+                        self._insert(self._conn, entry)
+            except sqlite3.Error:
+                return  # still failing: kept, and said so in :attr:`error` already
+            count, self._unsaved, self.error = len(self._unsaved), {}, None
+        log.warning("%s takes learned examples again: stored the %d kept in memory", self.path, count)
 
     def entries(self, tap: Path | str | None = None, capability: str | None = None,
                 kind: str | None = None) -> list[Learned]:
-        where, args = _filters(tap, capability, None, kind)
+        """The matching corrections, those held in memory included (over the file's of the same message)."""
+        with self._lock:
+            unsaved = list(self._unsaved.values())
+        where, args = _filters(tap, capability, None, None if unsaved else kind)
         with self._cursor() as conn:
             rows = conn.execute(f"SELECT tap, capability, message, previous, session, created, kind FROM learned"
                                 f"{where} ORDER BY tap, capability, kind DESC, created, message", args).fetchall()
-        return [Learned(*row) for row in rows]
+        found = [Learned(*row) for row in rows]
+        if not unsaved:
+            return found
+        merged = {(e.tap, e.capability, e.message): e for e in found}
+        merged.update({(e.tap, e.capability, e.message): e for e in unsaved
+                       if (tap is None or e.tap == str(tap)) and (capability is None or e.capability == capability)})
+        chosen = sorted((e for e in merged.values() if kind is None or e.kind == kind),
+                        key=lambda e: (e.created, e.message))
+        chosen.sort(key=lambda e: e.kind, reverse=True)  # stable sorts: the query's order
+        chosen.sort(key=lambda e: (e.tap, e.capability))
+        return chosen
 
     def forget(self, tap: Path | str | None = None, capability: str | None = None,
                message: str | None = None, kind: str | None = None) -> int:
         """Delete matching entries (all of them when nothing is given); returns how many."""
         where, args = _filters(tap, capability, message, kind)
         with self._cursor() as conn:
-            return conn.execute(f"DELETE FROM learned{where}", args).rowcount
+            count = conn.execute(f"DELETE FROM learned{where}", args).rowcount
+        with self._lock:
+            held = [key for key, e in self._unsaved.items()
+                    if all(want is None or have == str(want) for have, want in
+                           ((e.tap, tap), (e.capability, capability), (e.message, message), (e.kind, kind)))]
+            for key in held:
+                del self._unsaved[key]
+            if held and not self._unsaved:
+                self.error = None
+        return count + len(held)
 
     def for_tap(self, tap: Path | str, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
         """capability → learned messages of ``kind``, for one tap."""
@@ -218,6 +306,7 @@ class LearnedStore:
         or the file cannot be read (logged once, until it can be again)."""
         if not self.persistent:
             return None
+        self._store_unsaved()  # the daemon checks every few seconds: a held-back correction goes in then
         with self._lock:
             if self._closed:
                 return None
@@ -234,10 +323,16 @@ class LearnedStore:
                 self._unreadable = False
             return version
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Store what is held in memory (one last try), then close. Returns how many corrections
+        could not be stored and are lost with this process (0 normally)."""
+        self._store_unsaved()
         with self._lock:
+            if self._closed:
+                return 0  # counted at the first close
             self._closed = True
             self._conn.close()
+            return len(self._unsaved)
 
 
 def _filters(tap: Path | str | None, capability: str | None, message: str | None,

@@ -249,8 +249,9 @@ class Service:
             self._close_encoder(self.encoder)
         with self._lock:  # a reload or learning pass already under way finishes before its stores close
             self._close_encoder(self.encoder)
-            if self.learned is not None:
-                self.learned.close()
+            if self.learned is not None and (lost := self.learned.close()):
+                log.warning("%d learned correction(s) could not be stored in %s before capd stopped: %s",
+                            lost, self.learned.path, self.learned.error)
             if self.registry is not None:  # before letting go of the file: a last try at what is pending
                 store = self.registry.store
                 if unsaved := store.close():

@@ -105,6 +105,62 @@ def test_unusable_data_dir_keeps_learning_in_memory(tmp_path: Path) -> None:
     assert blocker.read_text().startswith("a file")  # nothing a user wrote is modified
 
 
+def test_a_correction_the_locked_file_will_not_take_is_used_and_stored_later(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another process's lock (or a full disk) used to drop a correction with an error line. It is now
+    used from memory, named in the store's error (health), and stored by the daemon's next check."""
+    path = tmp_path / "learned.sqlite3"
+    store = LearnedStore(path, timeout=0.05)
+    assert store.record(CORE, "docker", MISS, "abstain", "s1")
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # another writer holds the file
+    try:
+        with caplog.at_level(logging.WARNING, logger="capd.learned"):
+            assert store.record(CORE, "git", "undo my last save point", "abstain", "s1")
+            assert not store.record(CORE, "git", "undo my last save point", "abstain", "s2")  # held already
+            assert not store.record(CORE, "docker", MISS, "abstain", "s2")  # in the file already
+            assert store.record(CORE, "docker", CHATTER, "memory", "s1", kind="abstain")
+            assert store.version() is not None  # a check while still locked keeps them held
+        assert store.unsaved == 2
+        assert store.error is not None and "2 new correction(s) are used from memory" in store.error
+        assert caplog.text.count("cannot store learned examples") == 1  # said once, not per correction
+        assert store.for_tap(CORE) == {"docker": (MISS,), "git": ("undo my last save point",)}
+        assert store.for_tap(CORE, "abstain") == {"docker": (CHATTER,)}
+        assert [e.message for e in store.entries(capability="docker")] == [MISS, CHATTER]  # triggers first
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert store.version() is not None  # the daemon's periodic check: what was held back goes in
+    assert store.unsaved == 0 and store.error is None
+    assert store.close() == 0
+    with closing(LearnedStore(path)) as reopened:
+        assert sorted((e.capability, e.message, e.kind) for e in reopened.entries()) == sorted([
+            ("docker", MISS, "trigger"), ("docker", CHATTER, "abstain"), ("git", "undo my last save point", "trigger")])
+
+
+def test_corrections_still_held_back_at_close_are_counted_and_forget_reaches_them(tmp_path: Path) -> None:
+    path = tmp_path / "learned.sqlite3"
+    store = LearnedStore(path, timeout=0.05)
+    store.record(CORE, "docker", MISS)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        store.record(CORE, "git", "undo my last save point")
+        store.record(CORE, "rust", "build the crate in release mode")
+        store.record(CORE, "go", "run the go tests")
+    finally:
+        blocker.execute("ROLLBACK")
+    assert store.forget(capability="git") == 1 and store.unsaved == 2  # the file had none of git's
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        assert store.close() == 2  # what the caller warns about: lost with this process
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    with closing(LearnedStore(path)) as reopened:
+        assert [e.capability for e in reopened.entries()] == ["docker"]
+
+
 def _refuse_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """learned.sqlite3 refuses to be opened for writing, as in a read-only data directory (chmod does not
     stop root, who may run the suite); opening it read-only (``mode=ro``) still works."""
