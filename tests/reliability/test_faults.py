@@ -299,6 +299,20 @@ def _state_error(http: httpx.Client) -> list[dict[str, Any]]:
     return [e for e in http.get("/v1/health").json()["errors"] if e["file"].endswith("sessions.sqlite3")]
 
 
+def _learned_error(http: httpx.Client) -> str | None:
+    errors = [e["reason"] for e in http.get("/v1/health").json()["errors"] if e["file"].endswith("learned.sqlite3")]
+    return errors[0] if errors else None
+
+
+def _correct(http: httpx.Client, session: str, message: str) -> str:
+    """Route ``message`` in ``session``, then enable by hand a capability it did not choose: a learned
+    correction (capd/learned.py). Returns the capability enabled."""
+    routed = http.post("/v1/route", json={"session": session, "message": message}).json()
+    taught = "k8s" if routed.get("capability") != "k8s" else "db-sync"
+    assert http.post(f"/v1/sessions/{session}/enable", json={"name": taught}).status_code == 200
+    return taught
+
+
 @pytest.mark.parametrize("how", ["immutable", "full"])
 def test_unwritable_data_dir_while_serving(tmp_path: Path, daemon_factory: DaemonFactory, how: str) -> None:
     tap, data = fleet_tap(tmp_path), tmp_path / "data"
@@ -323,9 +337,18 @@ def test_unwritable_data_dir_while_serving(tmp_path: Path, daemon_factory: Daemo
                                               for c in http.get("/v1/capabilities").json()["capabilities"]), 15)
                 routed = http.post("/v1/route", json={"message": "a capability added while full"}).json()
                 assert routed["capability"] == "while-unwritable"
+                if how == "full":  # a correction the full disk will not take is routed with from memory
+                    taught = _correct(http, "learn", "the thing with the boxes is slow again")
+                    assert wait_until(lambda: _learned_error(http) is not None, 5)
+                    assert "used from memory" in str(_learned_error(http))
             _step(http, models, "ro-a", rng)  # writable again: this write lands everything pending
             assert _state_error(http) == []
             assert "being stored again" in daemon.log_text()
+            if how == "full":  # ... and stored by the daemon's check once the disk has room again
+                assert wait_until(lambda: _learned_error(http) is None, 10)
+                with sqlite3.connect(f"file:{data / 'learned.sqlite3'}?mode=ro", uri=True) as stored:
+                    rows = stored.execute("SELECT capability, message FROM learned").fetchall()
+                assert rows == [(taught, "the thing with the boxes is slow again")]
         daemon.kill9()
         daemon.start()
         with daemon.client() as http:
