@@ -280,8 +280,9 @@ class LearnedStore:
                message: str | None = None, kind: str | None = None) -> int:
         """Delete matching entries (all of them when nothing is given); returns how many."""
         where, args = _filters(tap, capability, message, kind)
-        with self._cursor() as conn:
-            count = conn.execute(f"DELETE FROM learned{where}", args).rowcount
+        with self._cursor() as conn:  # (no RETURNING: older SQLite builds lack it)
+            deleted = set(conn.execute(f"SELECT tap, capability, message FROM learned{where}", args))
+            conn.execute(f"DELETE FROM learned{where}", args)
         with self._lock:
             held = [key for key, e in self._unsaved.items()
                     if all(want is None or have == str(want) for have, want in
@@ -290,7 +291,7 @@ class LearnedStore:
                 del self._unsaved[key]
             if held and not self._unsaved:
                 self.error = None
-        return count + len(held)
+        return len(deleted | set(held))
 
     def for_tap(self, tap: Path | str, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
         """capability → learned messages of ``kind``, for one tap."""
