@@ -237,6 +237,8 @@ class LearnedStore:
             first = self.error is None
             self.error = (f"cannot store learned examples in {self.path}: {exc}; {len(self._unsaved)} new "
                           "correction(s) are used from memory until it can")
+            if first:  # while it fails, writes and retries do not wait for a lock (nor block this store meanwhile)
+                self._set_wait(0)
         if first:
             log.warning("%s", self.error)
         return True
@@ -253,7 +255,12 @@ class LearnedStore:
             except sqlite3.Error:
                 return  # still failing: kept, and said so in :attr:`error` already
             count, self._unsaved, self.error = len(self._unsaved), {}, None
+            self._set_wait(self._timeout)
         log.warning("%s takes learned examples again: stored the %d kept in memory", self.path, count)
+
+    def _set_wait(self, seconds: float) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
     def entries(self, tap: Path | str | None = None, capability: str | None = None,
                 kind: str | None = None) -> list[Learned]:
@@ -291,6 +298,7 @@ class LearnedStore:
                 del self._unsaved[key]
             if held and not self._unsaved:
                 self.error = None
+                self._set_wait(self._timeout)
         return len(deleted | set(held))
 
     def for_tap(self, tap: Path | str, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
@@ -327,6 +335,9 @@ class LearnedStore:
     def close(self) -> int:
         """Store what is held in memory (one last try), then close. Returns how many corrections
         could not be stored and are lost with this process (0 normally)."""
+        with self._lock:
+            if self._unsaved and not self._closed:
+                self._set_wait(self._timeout)  # the last try waits for a lock as a healthy write does
         self._store_unsaved()
         with self._lock:
             if self._closed:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -136,6 +137,36 @@ def test_a_correction_the_locked_file_will_not_take_is_used_and_stored_later(
     with closing(LearnedStore(path)) as reopened:
         assert sorted((e.capability, e.message, e.kind) for e in reopened.entries()) == sorted([
             ("docker", MISS, "trigger"), ("docker", CHATTER, "abstain"), ("git", "undo my last save point", "trigger")])
+
+
+def test_while_the_file_refuses_corrections_they_do_not_wait_for_its_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As with session state: a locked file costs one wait, not one per correction or per check
+    (each would hold the store, and the manual enable that records it, for the whole wait)."""
+    path = tmp_path / "learned.sqlite3"
+    store = LearnedStore(path, timeout=0.05)
+    waits: list[int] = []
+    insert = LearnedStore._insert
+
+    def observed(self: LearnedStore, conn: sqlite3.Connection, entry: Any) -> bool:
+        waits.append(conn.execute("PRAGMA busy_timeout").fetchone()[0])
+        return insert(self, conn, entry)
+
+    monkeypatch.setattr(LearnedStore, "_insert", observed)
+    store.record(CORE, "docker", MISS)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        store.record(CORE, "git", "undo my last save point")  # meets the lock and waits
+        store.record(CORE, "rust", "build the crate in release mode")
+        store.version()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    store.version()  # stores both
+    store.record(CORE, "go", "run the go tests")
+    assert waits == [50, 50, 0, 0, 0, 0, 50]  # the retries: 1 of 2 (the lock), then both, then healthy
+    assert store.close() == 0
 
 
 def test_corrections_still_held_back_at_close_are_counted_and_forget_reaches_them(tmp_path: Path) -> None:
