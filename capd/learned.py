@@ -235,8 +235,8 @@ class LearnedStore:
             for old in group[:-self.limit]:
                 del self._unsaved[(old.tap, old.capability, old.message)]
             first = self.error is None
-            self.error = (f"cannot store learned examples in {self.path}: {exc}; {len(self._unsaved)} new "
-                          "correction(s) are used from memory until it can")
+            self.error = (f"{self.path}: cannot store learned examples: {exc}; {len(self._unsaved)} new "
+                          "correction(s) are used from memory until it can")  # health shows it without the path
             if first:  # while it fails, writes and retries do not wait for a lock (nor block this store meanwhile)
                 self._set_wait(0)
         if first:

@@ -123,7 +123,8 @@ def test_a_correction_the_locked_file_will_not_take_is_used_and_stored_later(
             assert store.record(CORE, "docker", CHATTER, "memory", "s1", kind="abstain")
             assert store.version() is not None  # a check while still locked keeps them held
         assert store.unsaved == 2
-        assert store.error is not None and "2 new correction(s) are used from memory" in store.error
+        assert store.error == (f"{path}: cannot store learned examples: database is locked; 2 new correction(s) "
+                               "are used from memory until it can")
         assert caplog.text.count("cannot store learned examples") == 1  # said once, not per correction
         assert store.for_tap(CORE) == {"docker": (MISS,), "git": ("undo my last save point",)}
         assert store.for_tap(CORE, "abstain") == {"docker": (CHATTER,)}

@@ -340,7 +340,8 @@ def test_unwritable_data_dir_while_serving(tmp_path: Path, daemon_factory: Daemo
                 if how == "full":  # a correction the full disk will not take is routed with from memory
                     taught = _correct(http, "learn", "the thing with the boxes is slow again")
                     assert wait_until(lambda: _learned_error(http) is not None, 5)
-                    assert "used from memory" in str(_learned_error(http))
+                    reason = str(_learned_error(http))
+                    assert "used from memory" in reason and str(data) not in reason  # the path is its "file"
             _step(http, models, "ro-a", rng)  # writable again: this write lands everything pending
             assert _state_error(http) == []
             assert "being stored again" in daemon.log_text()
