@@ -221,7 +221,9 @@ class Service:
         try:
             return SessionStore(path)
         except StateError as exc:
-            self.state_error = f"{exc}. Sessions are kept in memory only: they are lost when capd stops"
+            self.state_error = (f"{exc}. Sessions are kept in memory only, and moved to the file once it can "
+                                "be used (tried every minute and at the stop); if it never can, they are lost when "
+                                "capd stops")
             log.warning("%s", self.state_error)
             return SessionStore(path, memory=True)
 
@@ -253,14 +255,20 @@ class Service:
                 log.warning("%d learned correction(s) could not be stored in %s before capd stopped: %s",
                             lost, self.learned.path, self.learned.error)
             if self.registry is not None:  # before letting go of the file: a last try at what is pending
-                store = self.registry.store
-                if unsaved := store.close():
-                    log.warning("%d session change(s) could not be saved to %s before capd stopped: %s",
-                                unsaved, store.path, store.last_error)
+                self._close_sessions(self.registry.store)
             if self._sessions_owner is not None:
                 self._sessions_owner.close()
             if self._cache is not None:
                 self._cache.close()
+
+    def _close_sessions(self, store: SessionStore) -> None:
+        """Store the sessions before stopping: what a lock held back, or, when they were kept in
+        memory since the start, all of them if the file can be used now; say what is lost."""
+        if store.ids() and not self.reattach_state():
+            log.warning("%d session(s) kept in memory are lost: %s still cannot be used", len(store.ids()), store.path)
+        if unsaved := store.close():
+            log.warning("%d session change(s) could not be saved to %s before capd stopped: %s",
+                        unsaved, store.path, store.last_error)
 
     def _register_gauges(self) -> None:
         self.metrics.gauge("capd_capabilities", "Capabilities in the catalog.", lambda: len(self.catalog_now()))

@@ -227,6 +227,35 @@ def test_the_service_reattaches_its_session_file(tmp_path: Path, tap: Path, monk
         assert stored.ids() == ("s1",)
 
 
+@pytest.mark.parametrize("released", [True, False], ids=["file usable at the stop", "still locked"])
+def test_sessions_kept_in_memory_since_the_start_are_stored_at_the_stop_if_they_can_be(
+        tmp_path: Path, tap: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        released: bool) -> None:
+    """They used to wait for the daemon's next minutely try, and were lost if it stopped first."""
+    monkeypatch.setattr("capd.state.OPEN_WAIT", 0.05)
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
+    path = settings.data_dir / FILENAME
+    SessionStore(path).close()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        service = Service(settings, sessions=True).start()
+        assert service.registry is not None and not service.registry.store.persistent
+        service.registry.activate("s1", "git")
+        if released:
+            blocker.execute("ROLLBACK")
+        with caplog.at_level(logging.WARNING, logger="capd.service"):
+            service.close()
+    finally:
+        if blocker.in_transaction:
+            blocker.execute("ROLLBACK")
+        blocker.close()
+    with SessionStore(path) as stored:
+        assert stored.ids() == (("s1",) if released else ())
+    assert ("1 session(s) kept in memory are lost" in caplog.text) is not released
+    assert ("the sessions kept in memory were moved there" in caplog.text) is released
+
+
 @pytest.mark.parametrize("released", [True, False], ids=["lock released", "lock still held"])
 def test_a_stopping_service_commits_what_a_locked_file_held_back(
         tmp_path: Path, tap: Path, caplog: pytest.LogCaptureFixture, released: bool) -> None:
