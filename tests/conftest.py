@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import shutil
+import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,24 @@ def settings_factory(tmp_path_factory: pytest.TempPathFactory) -> SettingsFactor
         return Settings(**values)
 
     return make
+
+
+@contextmanager
+def file_held(path: Path) -> Iterator[Callable[[], None]]:
+    """Another process's writer holding the SQLite file at ``path`` (``BEGIN EXCLUSIVE``): every write
+    of ours fails, reads still work. Until the block ends, or the callable it yields is called."""
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("BEGIN EXCLUSIVE")
+
+    def release() -> None:
+        if writer.in_transaction:
+            writer.execute("ROLLBACK")
+
+    try:
+        yield release
+    finally:
+        release()
+        writer.close()
 
 
 def isolated_data_dir(settings: Settings, tmp_path: Path) -> Settings:

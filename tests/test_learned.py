@@ -22,7 +22,7 @@ from capd.errors import ConfigError
 from capd.learned import Corrections, LearnedStore
 from capd.service import Service
 from capd.settings import Settings, default_taps, load_settings
-from tests.conftest import SettingsFactory, isolated_data_dir
+from tests.conftest import SettingsFactory, file_held, isolated_data_dir
 from tests.taputil import octomind_tap
 
 CORE = default_taps()[0].absolute()
@@ -113,9 +113,7 @@ def test_a_correction_the_locked_file_will_not_take_is_used_and_stored_later(
     path = tmp_path / "learned.sqlite3"
     store = LearnedStore(path, timeout=0.05)
     assert store.record(CORE, "docker", MISS, "abstain", "s1")
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN EXCLUSIVE")  # another writer holds the file
-    try:
+    with file_held(path):  # another writer holds the file
         with caplog.at_level(logging.WARNING, logger="capd.learned"):
             assert store.record(CORE, "git", "undo my last save point", "abstain", "s1")
             assert not store.record(CORE, "git", "undo my last save point", "abstain", "s2")  # held already
@@ -129,9 +127,6 @@ def test_a_correction_the_locked_file_will_not_take_is_used_and_stored_later(
         assert store.for_tap(CORE) == {"docker": (MISS,), "git": ("undo my last save point",)}
         assert store.for_tap(CORE, "abstain") == {"docker": (CHATTER,)}
         assert [e.message for e in store.entries(capability="docker")] == [MISS, CHATTER]  # triggers first
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
     assert store.version() is not None  # the daemon's periodic check: what was held back goes in
     assert store.unsaved == 0 and store.error is None
     assert store.close() == 0
@@ -155,15 +150,10 @@ def test_while_the_file_refuses_corrections_they_do_not_wait_for_its_lock(
 
     monkeypatch.setattr(LearnedStore, "_insert", observed)
     store.record(CORE, "docker", MISS)
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
+    with file_held(path):
         store.record(CORE, "git", "undo my last save point")  # meets the lock and waits
         store.record(CORE, "rust", "build the crate in release mode")
         store.version()
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
     store.version()  # stores both
     store.record(CORE, "go", "run the go tests")
     assert waits == [50, 50, 0, 0, 0, 0, 50]  # the retries: 1 of 2 (the lock), then both, then healthy
@@ -174,21 +164,13 @@ def test_corrections_still_held_back_at_close_are_counted_and_forget_reaches_the
     path = tmp_path / "learned.sqlite3"
     store = LearnedStore(path, timeout=0.05)
     store.record(CORE, "docker", MISS)
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
+    with file_held(path):
         store.record(CORE, "git", "undo my last save point")
         store.record(CORE, "rust", "build the crate in release mode")
         store.record(CORE, "go", "run the go tests")
-    finally:
-        blocker.execute("ROLLBACK")
     assert store.forget(capability="git") == 1 and store.unsaved == 2  # the file had none of git's
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
+    with file_held(path):
         assert store.close() == 2  # what the caller warns about: lost with this process
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
     with closing(LearnedStore(path)) as reopened:
         assert [e.capability for e in reopened.entries()] == ["docker"]
 

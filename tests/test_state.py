@@ -21,6 +21,7 @@ from capd.sessions import SessionRegistry
 from capd.settings import Settings
 from capd.state import FILENAME, SCHEMA_VERSION, ActiveCapability, SessionRecord, SessionStore
 from capd.taps import load_catalog
+from tests.conftest import file_held
 from tests.taputil import write_capability
 
 REPO = Path(__file__).resolve().parent.parent
@@ -179,9 +180,7 @@ def test_a_store_on_memory_moves_to_the_file_once_it_can(tmp_path: Path, catalog
     with SessionStore(path) as before:
         for session in ("old-1", "old-2", "gone"):
             before.put(SessionRecord(session, 1.0, 0))
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
+    with file_held(path):
         with pytest.raises(StateError):
             SessionStore(path, timeout=0.05)
         store = SessionStore(path, timeout=0.05, memory=True)  # what the service falls back to
@@ -190,9 +189,6 @@ def test_a_store_on_memory_moves_to_the_file_once_it_can(tmp_path: Path, catalog
         registry.activate("new", "rust")
         store.delete("gone")  # dropped meanwhile (e.g. by an agent that knew it)
         assert store.attach() is False and not store.persistent  # still locked: nothing changes
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
     assert store.attach() is True and store.persistent
     assert store.ids() == ("new", "old-1", "old-2")
     registry.activate("new", "fs-read")  # written to the file from now on
@@ -208,9 +204,7 @@ def test_the_service_reattaches_its_session_file(tmp_path: Path, tap: Path, monk
     settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
     path = settings.data_dir / FILENAME
     SessionStore(path).close()
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
+    with file_held(path):
         service = Service(settings, sessions=True).start()
         assert service.registry is not None and not service.registry.store.persistent
         error = service.health()["errors"][0]
@@ -218,9 +212,6 @@ def test_the_service_reattaches_its_session_file(tmp_path: Path, tap: Path, monk
         assert str(path) not in error["reason"]  # `capd status` printed "FILE: FILE: …"
         service.registry.activate("s1", "git")
         assert service.reattach_state() is False
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
     assert service.reattach_state() is True and service.health()["errors"] == []
     service.close()
     with SessionStore(path) as stored:
@@ -236,20 +227,14 @@ def test_sessions_kept_in_memory_since_the_start_are_stored_at_the_stop_if_they_
     settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
     path = settings.data_dir / FILENAME
     SessionStore(path).close()
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
+    with file_held(path) as release:
         service = Service(settings, sessions=True).start()
         assert service.registry is not None and not service.registry.store.persistent
         service.registry.activate("s1", "git")
         if released:
-            blocker.execute("ROLLBACK")
+            release()
         with caplog.at_level(logging.WARNING, logger="capd.service"):
             service.close()
-    finally:
-        if blocker.in_transaction:
-            blocker.execute("ROLLBACK")
-        blocker.close()
     with SessionStore(path) as stored:
         assert stored.ids() == (("s1",) if released else ())
     assert ("1 session(s) kept in memory are lost" in caplog.text) is not released
@@ -267,19 +252,13 @@ def test_a_stopping_service_commits_what_a_locked_file_held_back(
     service = Service(settings, sessions=True).start()
     assert service.registry is not None
     service.registry.activate("s1", "git")  # committed
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
+    with file_held(path) as release:
         service.registry.activate("s1", "rust")  # held back: kept in memory, pending
         assert service.registry.store.pending == 1
         if released:
-            blocker.execute("ROLLBACK")
+            release()
         with caplog.at_level(logging.WARNING, logger="capd.service"):
             service.close()
-    finally:
-        if blocker.in_transaction:
-            blocker.execute("ROLLBACK")
-        blocker.close()
     with SessionStore(path) as stored:
         active = [a.name for a in (stored.get("s1") or SessionRecord("", 0, 0)).active]
     if released:
@@ -307,9 +286,7 @@ def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog
     monkeypatch.setattr(SessionStore, "_write", staticmethod(observed))
     registry.activate("s1", "git")
     registry.activate("gone", "git")
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN EXCLUSIVE")  # another writer holds the file: every write of ours fails
-    try:
+    with file_held(path):  # every write of ours fails
         with pytest.raises(StateError, match="cannot write session state"):
             store.put(SessionRecord("direct", 1.0, 0))
         with caplog.at_level(logging.WARNING, logger="capd.sessions"):
@@ -320,9 +297,6 @@ def test_failed_writes_keep_serving_from_memory(tmp_path: Path, catalog: Catalog
         assert store.pending == 3 and store.last_error is not None
         assert "kept in memory only" in caplog.text
         assert waits == [50, 50, 50, 0, 0]  # two before the block, one that met it and waited, two that did not
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
     registry.activate("s2", "rust")  # the next write flushes everything pending
     assert store.pending == 0 and store.last_error is None
     registry.activate("s2", "fs-read")
