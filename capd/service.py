@@ -280,6 +280,12 @@ class Service:
                            lambda: self.counters.embedded)
         self.metrics.gauge("capd_triggers_cached", "Trigger texts served from the vector cache.",
                            lambda: self.counters.cached)
+        self.metrics.gauge("capd_unsaved_session_changes", "Session changes served from memory, not yet stored "
+                           "(another process's lock, a full disk).",
+                           lambda: self.registry.store.pending if self.registry else 0)
+        self.metrics.gauge("capd_unsaved_learned_corrections", "Learned corrections used from memory, not yet "
+                           "stored (another process's lock, a full disk).",
+                           lambda: self.learned.unsaved if self.learned else 0)
 
     # -- catalog ---------------------------------------------------------------------------
 

@@ -255,6 +255,7 @@ def test_a_stopping_service_commits_what_a_locked_file_held_back(
     with file_held(path) as release:
         service.registry.activate("s1", "rust")  # held back: kept in memory, pending
         assert service.registry.store.pending == 1
+        assert "capd_unsaved_session_changes 1" in service.metrics.render()  # what an operator can alert on
         if released:
             release()
         with caplog.at_level(logging.WARNING, logger="capd.service"):

@@ -342,11 +342,13 @@ def test_unwritable_data_dir_while_serving(tmp_path: Path, daemon_factory: Daemo
                     assert wait_until(lambda: _learned_error(http) is not None, 5)
                     reason = str(_learned_error(http))
                     assert "used from memory" in reason and str(data) not in reason  # the path is its "file"
+                    assert "capd_unsaved_learned_corrections 1" in http.get("/metrics").text
             _step(http, models, "ro-a", rng)  # writable again: this write lands everything pending
             assert _state_error(http) == []
             assert "being stored again" in daemon.log_text()
             if how == "full":  # ... and stored by the daemon's check once the disk has room again
                 assert wait_until(lambda: _learned_error(http) is None, 10)
+                assert "capd_unsaved_learned_corrections 0" in http.get("/metrics").text
                 with sqlite3.connect(f"file:{data / 'learned.sqlite3'}?mode=ro", uri=True) as stored:
                     rows = stored.execute("SELECT capability, message FROM learned").fetchall()
                 assert rows == [(taught, "the thing with the boxes is slow again")]
