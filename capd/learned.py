@@ -58,6 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from capd.state import set_busy_timeout
+
 log = logging.getLogger(__name__)
 
 WINDOW = 3  # routed turns within which a manual enable counts as a correction
@@ -117,6 +119,7 @@ class LearnedStore:
         self._unreadable = False  # version() failed and said so: quiet until it works again
         self._lock = threading.Lock()
         self._timeout = timeout
+        self._wait_ms = int(timeout * 1000)
         # Corrections the file would not take (locked, disk full): used, and stored at the next write
         # or check that succeeds. Keyed like the table; each (tap, capability, kind) keeps its latest ``limit``.
         self._unsaved: dict[tuple[str, str, str], Learned] = {}
@@ -238,7 +241,7 @@ class LearnedStore:
             self.error = (f"{self.path}: cannot store learned examples: {exc}; {len(self._unsaved)} new "
                           "correction(s) are used from memory until it can")  # health shows it without the path
             if first:  # while it fails, writes and retries do not wait for a lock (nor block this store meanwhile)
-                self._set_wait(0)
+                set_busy_timeout(self._conn, 0)
         if first:
             log.warning("%s", self.error)
         return True
@@ -255,12 +258,8 @@ class LearnedStore:
             except sqlite3.Error:
                 return  # still failing: kept, and said so in :attr:`error` already
             count, self._unsaved, self.error = len(self._unsaved), {}, None
-            self._set_wait(self._timeout)
+            set_busy_timeout(self._conn, self._wait_ms)
         log.warning("%s takes learned examples again: stored the %d kept in memory", self.path, count)
-
-    def _set_wait(self, seconds: float) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
     def entries(self, tap: Path | str | None = None, capability: str | None = None,
                 kind: str | None = None) -> list[Learned]:
@@ -275,13 +274,10 @@ class LearnedStore:
         if not unsaved:
             return found
         merged = {(e.tap, e.capability, e.message): e for e in found}
-        merged.update({(e.tap, e.capability, e.message): e for e in unsaved
-                       if (tap is None or e.tap == str(tap)) and (capability is None or e.capability == capability)})
-        chosen = sorted((e for e in merged.values() if kind is None or e.kind == kind),
-                        key=lambda e: (e.created, e.message))
-        chosen.sort(key=lambda e: e.kind, reverse=True)  # stable sorts: the query's order
-        chosen.sort(key=lambda e: (e.tap, e.capability))
-        return chosen
+        merged.update({(e.tap, e.capability, e.message): e for e in unsaved if _matches(e, tap, capability)})
+        # the query's order: kind DESC puts triggers before abstains
+        return sorted((e for e in merged.values() if _matches(e, kind=kind)),
+                      key=lambda e: (e.tap, e.capability, KINDS.index(e.kind), e.created, e.message))
 
     def forget(self, tap: Path | str | None = None, capability: str | None = None,
                message: str | None = None, kind: str | None = None) -> int:
@@ -291,14 +287,12 @@ class LearnedStore:
             deleted = set(conn.execute(f"SELECT tap, capability, message FROM learned{where}", args))
             conn.execute(f"DELETE FROM learned{where}", args)
         with self._lock:
-            held = [key for key, e in self._unsaved.items()
-                    if all(want is None or have == str(want) for have, want in
-                           ((e.tap, tap), (e.capability, capability), (e.message, message), (e.kind, kind)))]
+            held = [key for key, e in self._unsaved.items() if _matches(e, tap, capability, message, kind)]
             for key in held:
                 del self._unsaved[key]
             if held and not self._unsaved:
                 self.error = None
-                self._set_wait(self._timeout)
+                set_busy_timeout(self._conn, self._wait_ms)
         return len(deleted | set(held))
 
     def for_tap(self, tap: Path | str, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
@@ -337,7 +331,7 @@ class LearnedStore:
         could not be stored and are lost with this process (0 normally)."""
         with self._lock:
             if self._unsaved and not self._closed:
-                self._set_wait(self._timeout)  # the last try waits for a lock as a healthy write does
+                set_busy_timeout(self._conn, self._wait_ms)  # the last try waits for a lock as a healthy write does
         self._store_unsaved()
         with self._lock:
             if self._closed:
@@ -347,14 +341,24 @@ class LearnedStore:
             return len(self._unsaved)
 
 
+def _wanted(tap: Path | str | None, capability: str | None, message: str | None,
+            kind: str | None) -> dict[str, str]:
+    """The columns a filter fixes, and their values (``None``: any)."""
+    given = {"tap": tap, "capability": capability, "message": message, "kind": kind}
+    return {column: str(value) for column, value in given.items() if value is not None}
+
+
 def _filters(tap: Path | str | None, capability: str | None, message: str | None,
              kind: str | None = None) -> tuple[str, tuple[str, ...]]:
-    clauses, args = [], []
-    for column, value in (("tap", tap), ("capability", capability), ("message", message), ("kind", kind)):
-        if value is not None:
-            clauses.append(f"{column} = ?")
-            args.append(str(value))
-    return (" WHERE " + " AND ".join(clauses) if clauses else ""), tuple(args)
+    wanted = _wanted(tap, capability, message, kind)
+    where = " AND ".join(f"{column} = ?" for column in wanted)
+    return (f" WHERE {where}" if where else ""), tuple(wanted.values())
+
+
+def _matches(entry: Learned, tap: Path | str | None = None, capability: str | None = None,
+             message: str | None = None, kind: str | None = None) -> bool:
+    """:func:`_filters` for an entry held in memory."""
+    return all(getattr(entry, column) == value for column, value in _wanted(tap, capability, message, kind).items())
 
 
 @dataclass(frozen=True)

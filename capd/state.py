@@ -121,6 +121,13 @@ def _decode(session: str, last_seen: float, next_seq: int, active: str) -> Sessi
     return SessionRecord(session, float(last_seen), int(next_seq), tuple(entries))
 
 
+def set_busy_timeout(conn: sqlite3.Connection, milliseconds: int) -> None:
+    """How long ``conn``'s writes wait for another process's lock (session state, learned corrections:
+    a store whose writes keep failing stops waiting, so one locked file costs one wait, not one per write)."""
+    with contextlib.suppress(sqlite3.Error):  # the write's own error says what is wrong
+        conn.execute(f"PRAGMA busy_timeout = {milliseconds}")
+
+
 class SessionStore:
     """Sessions in SQLite, cached in memory. Thread-safe; a write holds the file only to commit."""
 
@@ -293,11 +300,11 @@ class SessionStore:
             except sqlite3.Error as exc:
                 error = self._fail("write", exc)
                 if self.last_error is None:  # failing from now on: the next writes try without waiting
-                    self._set_wait(self._conn, 0)
+                    set_busy_timeout(self._conn, 0)
                 self.last_error = str(error)
                 raise error from None
             if self.last_error is not None:
-                self._set_wait(self._conn, self._wait_ms)
+                set_busy_timeout(self._conn, self._wait_ms)
             self.last_error = None
             self._settle(batch)
 
@@ -307,11 +314,6 @@ class SessionStore:
             for session, value in batch.items():
                 if self._pending.get(session, _MISSING) is value:
                     del self._pending[session]
-
-    @staticmethod
-    def _set_wait(conn: sqlite3.Connection, milliseconds: int) -> None:
-        with contextlib.suppress(sqlite3.Error):  # the write's own error says what is wrong
-            conn.execute(f"PRAGMA busy_timeout = {milliseconds}")
 
     @staticmethod
     def _write(conn: sqlite3.Connection, batch: Mapping[str, SessionRecord | None]) -> None:
@@ -338,7 +340,7 @@ class SessionStore:
             if self._conn is None:
                 return 0  # closed before: already counted then
             if self.persistent and self.last_error is not None:
-                self._set_wait(self._conn, self._wait_ms)  # failing writes stopped waiting; this one may
+                set_busy_timeout(self._conn, self._wait_ms)  # failing writes stopped waiting; this one may
         if self.persistent:
             with contextlib.suppress(StateError):  # what it could not commit is counted below
                 self._flush()
