@@ -1,6 +1,6 @@
 """Embedding-engine benchmark: writes benchmarks/results/engine.json, engine.md and index_choice.md.
 
-Run: ``.venv/bin/python -m benchmarks.bench_engine`` (about 1.5 minutes). Everything runs
+Run: ``.venv/bin/python -m benchmarks.bench_engine`` (about 2.5 minutes). Everything runs
 on this machine with the bundled model; the load average at start and end is recorded
 because other work on a 2-core box moves every number.
 
@@ -12,7 +12,10 @@ Measured, with the issue's targets as ratios from the same run:
 - editing one capability re-embeds only its changed triggers;
 - single-message encode latency per backend, p50 / p99 (target: ONNX <= 0.4x torch);
 - scoring 1k / 10k / 100k synthetic triggers against one encode (target at 100k: <= 20%);
-- micro-batching throughput at 1 / 8 / 32 concurrent threads.
+- micro-batching throughput at 1 / 8 / 32 concurrent threads;
+- the fused rule's head fit on a 1,000-capability tap's real trigger vectors against scikit-learn's
+  ``LogisticRegression``, the reference it reproduces (seconds on one core and on all, and how far
+  apart the weights are).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,8 @@ from typing import Any
 import numpy as np
 
 import capd.index as index_module
+from benchmarks import gen_tap
+from capd import fused
 from capd.batching import MicroBatcher
 from capd.encoder import Encoder, open_encoder
 from capd.index import TriggerIndex
@@ -45,9 +50,11 @@ from capd.taps import load_catalog
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CACHE = Path(__file__).resolve().parent / ".cache"  # generated taps and their trigger vectors, kept between runs
 MESSAGE = "can you check whether the staging deploy finished and show me its logs"
 SIZES = (1_000, 10_000, 100_000)
 PER_CAPABILITY = 10
+HEAD_CAPABILITIES = 1_000
 
 WARM = """
 import time; t0 = time.perf_counter()
@@ -254,6 +261,45 @@ def batching(encoder: Encoder, seconds: float = 2.5) -> dict[str, Any]:
 
 SEARCH_SIZES = (1_000, 10_000, 30_000, 100_000)
 LENGTH = 240  # nearest triggers fetched for top-5 with k = 3 (16 * n * k)
+
+
+def head_fit(encoder: Encoder) -> dict[str, Any]:
+    """:func:`capd.fused.fit_head` against scikit-learn's ``LogisticRegression`` with the same
+    objective and stopping rule, on the trigger vectors of the generated 1,000-capability tap (embedded
+    once, then read from a vector cache under ``benchmarks/.cache``): best of two fits each, on one
+    core (what a refit gets while the daemon routes) and on every core (a start), and the relative
+    difference of their weights."""
+    from sklearn.linear_model import LogisticRegression
+    from threadpoolctl import threadpool_limits
+
+    tap = gen_tap.cached_tap(HEAD_CAPABILITIES, CACHE)
+    cache = VectorCache.open(CACHE / f"engine-head-{gen_tap.VERSION}")
+    try:
+        index = TriggerIndex(encoder.dim)
+        index.sync(load_catalog((tap,)), CachedEmbedder(encoder, cache))
+    finally:
+        cache.close()
+    names, vectors, labels = index.examples()
+    reference = LogisticRegression(C=fused.HEAD_C, tol=fused.HEAD_TOL, max_iter=fused.HEAD_MAX_ITER)
+    out: dict[str, Any] = {"capabilities": len(names), "examples": len(vectors), "dim": int(vectors.shape[1])}
+    for cores, limit in (("1_core", 1), ("all_cores", None)):
+        limits: AbstractContextManager[object] = threadpool_limits(limits=limit) if limit else nullcontext()
+        with limits:
+            capd_s = min(_seconds(lambda: fused.fit_head(vectors, labels, len(names))) for _ in range(2))
+            sklearn_s = min(_seconds(lambda: reference.fit(vectors, labels)) for _ in range(2))
+        out[cores] = {"capd_s": round(capd_s, 2), "sklearn_s": round(sklearn_s, 2),
+                      "capd_over_sklearn": round(capd_s / sklearn_s, 2)}
+    weight, _ = fused.fit_head(vectors, labels, len(names))
+    coef = np.asarray(reference.coef_)
+    out["weights_relative_difference"] = float(f"{np.linalg.norm(weight.T - coef) / np.linalg.norm(coef):.2g}")
+    out["sklearn_iterations"] = int(reference.n_iter_[0])
+    return out
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
 
 
 def p50_p99(call: Callable[[], object], repeat: int) -> tuple[float, float]:
@@ -637,6 +683,20 @@ def markdown(result: dict[str, Any]) -> str:
         row = mb[f"{threads}_threads"]
         lines.append(f"| {threads} | {row['requests_per_s']} | {row['mean_batch']} |")
     lines += ["", f"32 threads / 1 thread: {mb['speedup_32_over_1']}x.", ""]
+    head = result["head_fit"]
+    lines += [
+        f"Fused head fit ({head['capabilities']:,} capabilities, {head['examples']:,} real trigger vectors), "
+        f"capd.fused.fit_head against scikit-learn's LogisticRegression ({head['sklearn_iterations']} "
+        f"L-BFGS iterations), best of two; weights differ by {head['weights_relative_difference']} relative:",
+        "",
+        "| cores | capd | scikit-learn | capd / scikit-learn |",
+        "|---|---|---|---|",
+    ]
+    for cores in ("1_core", "all_cores"):
+        row = head[cores]
+        lines.append(f"| {cores.replace('_', ' ')} | {row['capd_s']} s | {row['sklearn_s']} s | "
+                     f"{row['capd_over_sklearn']}x |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -657,6 +717,7 @@ def main() -> dict[str, Any]:
         result["latency"] = latency(settings, encoder)
         result["scoring"] = scoring(result["latency"]["onnx"]["p50_ms"], spread_of_real_triggers(encoder, settings))
         result["batching"] = batching(encoder)
+        result["head_fit"] = head_fit(encoder)
         result["index_choice"] = write_index_choice(encoder, settings, RESULTS / "index_choice.md")
         result["load_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:

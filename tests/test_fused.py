@@ -20,7 +20,17 @@ from capd.encoder import Encoder, HashEncoder, TokenVectors, Vectors
 from capd.errors import TapFileError
 from capd.evaluation import evaluate, score_table
 from capd.fixtures import load_fixtures
-from capd.fused import ExampleTokens, FusedHead, Lexicon, fit_head, in_class_similarity, words
+from capd.fused import (
+    HEAD_C,
+    HEAD_MAX_ITER,
+    HEAD_TOL,
+    ExampleTokens,
+    FusedHead,
+    Lexicon,
+    fit_head,
+    in_class_similarity,
+    words,
+)
 from capd.models import load_manifests, manifest_for
 from capd.report_html import render
 from capd.router import Router, abstain_corpus, example_texts
@@ -65,6 +75,26 @@ def test_head_handles_one_and_two_capabilities() -> None:
     assert (logits.argmax(axis=1) == [0, 0, 1, 1]).all()
     single_w, single_b = fit_head(x, np.array([1, 1, 1, 1]), 2)
     assert ((x @ single_w + single_b).argmax(axis=1) == 1).all()
+
+
+def test_the_head_is_scikit_learns_multinomial_logistic_regression() -> None:
+    """fit_head computes scikit-learn's LogisticRegression (same objective, solver and stopping rule)
+    itself, in float32; the columns of capabilities without examples get a bias that never wins."""
+    from sklearn.linear_model import LogisticRegression
+
+    rng = np.random.default_rng(7)
+    centres = _unit(rng, 5, dim=16)
+    labels = np.repeat([0, 1, 2, 4, 5], 12)  # capability 3 has no examples, nor 6
+    x = _unit(rng, len(labels), dim=16) * 0.6 + np.repeat(centres, 12, axis=0)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    weight, bias = fit_head(x, labels, 7)
+    reference = LogisticRegression(C=HEAD_C, tol=HEAD_TOL, max_iter=HEAD_MAX_ITER).fit(x, labels)
+    present = [0, 1, 2, 4, 5]
+    scale = float(np.abs(reference.coef_).max())
+    np.testing.assert_allclose(weight[:, present].T, reference.coef_, atol=1e-3 * scale)
+    np.testing.assert_allclose(bias[present], reference.intercept_, atol=1e-3 * scale)
+    assert (bias[[3, 6]] == -1e4).all() and not weight[:, [3, 6]].any()
+    assert weight.dtype == bias.dtype == np.float32
 
 
 def _unit(rng: np.random.Generator, rows: int, dim: int = 8) -> np.ndarray:
