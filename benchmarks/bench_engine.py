@@ -13,7 +13,7 @@ Measured, with the issue's targets as ratios from the same run:
 - single-message encode latency per backend, p50 / p99 (target: ONNX <= 0.4x torch);
 - scoring 1k / 10k / 100k synthetic triggers against one encode (target at 100k: <= 20%);
 - micro-batching throughput at 1 / 8 / 32 concurrent threads;
-- the fused rule's head fit on a 1,000-capability tap's real trigger vectors against scikit-learn's
+- the fused rule's head fit on 60- and 1,000-capability taps' real trigger vectors against scikit-learn's
   ``LogisticRegression``, the reference it reproduces (seconds on one core and on all, and how far
   apart the weights are).
 """
@@ -54,7 +54,7 @@ CACHE = Path(__file__).resolve().parent / ".cache"  # generated taps and their t
 MESSAGE = "can you check whether the staging deploy finished and show me its logs"
 SIZES = (1_000, 10_000, 100_000)
 PER_CAPABILITY = 10
-HEAD_CAPABILITIES = 1_000
+HEAD_SIZES = (60, 1_000)  # generated taps the fused head's fit is timed on
 
 WARM = """
 import time; t0 = time.perf_counter()
@@ -265,35 +265,40 @@ LENGTH = 240  # nearest triggers fetched for top-5 with k = 3 (16 * n * k)
 
 def head_fit(encoder: Encoder) -> dict[str, Any]:
     """:func:`capd.fused.fit_head` against scikit-learn's ``LogisticRegression`` with the same
-    objective and stopping rule, on the trigger vectors of the generated 1,000-capability tap (embedded
-    once, then read from a vector cache under ``benchmarks/.cache``): best of two fits each, on one
-    core (what a refit gets while the daemon routes) and on every core (a start), and the relative
-    difference of their weights."""
+    objective and stopping rule, on the trigger vectors of the generated taps of :data:`HEAD_SIZES`
+    capabilities (embedded once, then read from a vector cache under ``benchmarks/.cache``)."""
+    out: dict[str, Any] = {}
+    cache = VectorCache.open(CACHE / f"engine-head-{gen_tap.VERSION}")
+    try:
+        for size in HEAD_SIZES:
+            index = TriggerIndex(encoder.dim)
+            index.sync(load_catalog((gen_tap.cached_tap(size, CACHE),)), CachedEmbedder(encoder, cache))
+            out[str(size)] = _head_fit_row(*index.examples())
+    finally:
+        cache.close()
+    return out
+
+
+def _head_fit_row(names: tuple[str, ...], vectors: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+    """Best of two fits each, on one core (what a refit gets while the daemon routes) and on every
+    core (a start), and the relative difference of the two fits' weights."""
     from sklearn.linear_model import LogisticRegression
     from threadpoolctl import threadpool_limits
 
-    tap = gen_tap.cached_tap(HEAD_CAPABILITIES, CACHE)
-    cache = VectorCache.open(CACHE / f"engine-head-{gen_tap.VERSION}")
-    try:
-        index = TriggerIndex(encoder.dim)
-        index.sync(load_catalog((tap,)), CachedEmbedder(encoder, cache))
-    finally:
-        cache.close()
-    names, vectors, labels = index.examples()
     reference = LogisticRegression(C=fused.HEAD_C, tol=fused.HEAD_TOL, max_iter=fused.HEAD_MAX_ITER)
-    out: dict[str, Any] = {"capabilities": len(names), "examples": len(vectors), "dim": int(vectors.shape[1])}
+    row: dict[str, Any] = {"capabilities": len(names), "examples": len(vectors)}
     for cores, limit in (("1_core", 1), ("all_cores", None)):
         limits: AbstractContextManager[object] = threadpool_limits(limits=limit) if limit else nullcontext()
         with limits:
             capd_s = min(_seconds(lambda: fused.fit_head(vectors, labels, len(names))) for _ in range(2))
             sklearn_s = min(_seconds(lambda: reference.fit(vectors, labels)) for _ in range(2))
-        out[cores] = {"capd_s": round(capd_s, 2), "sklearn_s": round(sklearn_s, 2),
+        row[cores] = {"capd_s": round(capd_s, 3), "sklearn_s": round(sklearn_s, 3),
                       "capd_over_sklearn": round(capd_s / sklearn_s, 2)}
     weight, _ = fused.fit_head(vectors, labels, len(names))
     coef = np.asarray(reference.coef_)
-    out["weights_relative_difference"] = float(f"{np.linalg.norm(weight.T - coef) / np.linalg.norm(coef):.2g}")
-    out["sklearn_iterations"] = int(reference.n_iter_[0])
-    return out
+    row["weights_relative_difference"] = float(f"{np.linalg.norm(weight.T - coef) / np.linalg.norm(coef):.2g}")
+    row["sklearn_iterations"] = int(reference.n_iter_[0])
+    return row
 
 
 def _seconds(call: Callable[[], object]) -> float:
@@ -683,19 +688,20 @@ def markdown(result: dict[str, Any]) -> str:
         row = mb[f"{threads}_threads"]
         lines.append(f"| {threads} | {row['requests_per_s']} | {row['mean_batch']} |")
     lines += ["", f"32 threads / 1 thread: {mb['speedup_32_over_1']}x.", ""]
-    head = result["head_fit"]
     lines += [
-        f"Fused head fit ({head['capabilities']:,} capabilities, {head['examples']:,} real trigger vectors), "
-        f"capd.fused.fit_head against scikit-learn's LogisticRegression ({head['sklearn_iterations']} "
-        f"L-BFGS iterations), best of two; weights differ by {head['weights_relative_difference']} relative:",
+        "Fused head fit on the generated taps' real trigger vectors: capd.fused.fit_head against "
+        "scikit-learn's LogisticRegression (same objective and stopping rule), best of two:",
         "",
-        "| cores | capd | scikit-learn | capd / scikit-learn |",
-        "|---|---|---|---|",
+        "| tap | examples | L-BFGS iterations | weights differ (relative) | cores | capd | scikit-learn | "
+        "capd / scikit-learn |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for cores in ("1_core", "all_cores"):
-        row = head[cores]
-        lines.append(f"| {cores.replace('_', ' ')} | {row['capd_s']} s | {row['sklearn_s']} s | "
-                     f"{row['capd_over_sklearn']}x |")
+    for head in result["head_fit"].values():
+        for cores in ("1_core", "all_cores"):
+            row = head[cores]
+            lines.append(f"| {head['capabilities']:,} caps | {head['examples']:,} | {head['sklearn_iterations']} | "
+                         f"{head['weights_relative_difference']} | {cores.replace('_', ' ')} | {row['capd_s']} s | "
+                         f"{row['sklearn_s']} s | {row['capd_over_sklearn']}x |")
     lines.append("")
     return "\n".join(lines)
 

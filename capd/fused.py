@@ -48,12 +48,14 @@ import re
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from threadpoolctl import threadpool_limits
 
 from capd.atomic import replacing
 from capd.encoder import Embedded, TokenVectors
@@ -70,6 +72,7 @@ LEXICAL_WEIGHT = 0.02  # W_BM
 TOP_K = 3
 HEAD_C = 10.0  # inverse L2 strength of the head (scikit-learn's C)
 HEAD_TOL, HEAD_MAX_ITER = 1e-4, 3000  # the head's fit stops at this largest gradient component
+ONE_THREAD_WORK = 1 << 28  # examples × capabilities × dim below which the head's fit keeps to one BLAS thread
 HEAD_BUDGET = 20_000_000  # examples × capabilities above which no head is fitted
 RESCORE_WEIGHT = 10.0  # β of the second stage, in F's log-odds units per unit of MaxSim
 RESCORE_CANDIDATES = 5
@@ -301,8 +304,12 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tu
     penalised alike, two capabilities included (scikit-learn fits those as one binary row). It is
     computed in float32 without a one-hot matrix: on the 1,000-capability benchmark tap (8,951
     examples) the weights match scikit-learn's to 1e-5 relative, in about a third of its time on
-    one core (``python -m benchmarks.bench_engine``, "fused head fit"). A capability without
-    examples gets a bias that never wins."""
+    one core (``python -m benchmarks.bench_engine``, "Fused head fit"). A capability without
+    examples gets a bias that never wins.
+
+    Below :data:`ONE_THREAD_WORK` the fit keeps to one BLAS thread: its products are too small to
+    share, and waking other threads for each of them made a 60-capability fit several times slower
+    (``bench_engine``, "Fused head fit", the 60-capability rows)."""
     from scipy.optimize import minimize  # imported only when a head is fitted
 
     present, column_of = np.unique(labels, return_inverse=True)
@@ -338,9 +345,11 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tu
         return loss, np.hstack([coef_gradient, bias_gradient[:, None]]).ravel().astype(np.float64)
 
     start = np.zeros(len(present) * (dim + 1))
-    fitted = minimize(loss_and_gradient, start, jac=True, method="L-BFGS-B",
-                      options={"maxiter": HEAD_MAX_ITER, "maxls": 50, "gtol": HEAD_TOL,
-                               "ftol": 64 * np.finfo(float).eps})
+    small = rows * len(present) * dim < ONE_THREAD_WORK
+    with threadpool_limits(limits=1) if small else nullcontext():
+        fitted = minimize(loss_and_gradient, start, jac=True, method="L-BFGS-B",
+                          options={"maxiter": HEAD_MAX_ITER, "maxls": 50, "gtol": HEAD_TOL,
+                                   "ftol": 64 * np.finfo(float).eps})
     if not fitted.success:
         log.info("fused rule: the head's fit stopped after %d iterations: %s", fitted.nit, fitted.message)
     params = fitted.x.astype(np.float32).reshape(len(present), dim + 1)
