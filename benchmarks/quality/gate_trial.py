@@ -1,0 +1,137 @@
+"""Research harness: a learned fire gate in place of the fused rule's three calibrated gates.
+
+Run: ``.venv/bin/python -m benchmarks.quality.gate_trial [--sets a,b] [--features 0,1,2] [--c 0.1,1]``
+(under a minute).
+
+``capd calibrate`` fires when the winner's level, the log-odds gap to the runner-up and the
+winner's coverage each clear a threshold: three axis-aligned cuts, swept on a grid. The
+alternative screened here learns one direction through those statistics instead: a logistic
+regression on the fit part's rows (standardised features; label 1 for a positive row whose winner
+is expected, 0 for a null or a wrong winner), then one cut on its decision value, chosen on the
+fit part as ``capd calibrate`` chooses (most fired_right with null_fpr <= 0.05 and
+fired_wrong <= 0.03). Feature sets: ``0`` level, gap (capped at 30) and coverage (NaN counts
+as 1, as the gate passes it); ``1`` adds the winner's fused score; ``2`` adds the runner-up's
+level, level x coverage and log(1 + gap). Both are measured on the held-out part, on the score
+table of the top_k calibration chose. Writes ``benchmarks/results/gate_trial.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.quality.run import EVALSETS, LIMITS, RESULTS, SETS, find_sets, gated, trial_bench
+from capd.calibrate import best_point, grid_for, split
+from capd.evaluation import ScoreTable, score_table
+from capd.fixtures import load_fixtures
+from capd.router import Gates
+
+GAP_CAP = 30.0  # a lone capability's gap is inf
+
+
+def features(table: ScoreTable, kind: int) -> np.ndarray:
+    """[rows, features] of feature set ``kind`` (module docstring)."""
+    assert table.levels is not None, "the fused rule's table"
+    winner, level, gap = table.gate_inputs()
+    rows = np.arange(len(winner))
+    gap = np.minimum(gap, GAP_CAP)
+    coverage = np.ones(len(rows)) if table.coverage is None else np.nan_to_num(table.coverage, nan=1.0)
+    columns = [level, gap, coverage]
+    if kind >= 1:
+        columns.append(table.scores[rows, winner])
+    if kind >= 2:
+        others = np.where(np.arange(table.scores.shape[1])[None, :] == winner[:, None], -np.inf, table.scores)
+        columns += [table.levels[rows, others.argmax(axis=1)], level * coverage, np.log1p(np.maximum(gap, 0.0))]
+    return np.column_stack(columns).astype(np.float64)
+
+
+def rates(table: ScoreTable, fired: np.ndarray) -> dict[str, float | None]:
+    """fired_right, fired_wrong (shares of positives) and null_fpr (of nulls; None without nulls)."""
+    winner = table.scores.argmax(axis=1)
+    correct = table.expected[np.arange(len(winner)), winner]
+    positive = table.positive
+    positives, nulls = max(int(positive.sum()), 1), int((~positive).sum())
+    return {"fired_right": round(float((fired & correct & positive).sum()) / positives, 4),
+            "fired_wrong": round(float((fired & ~correct & positive).sum()) / positives, 4),
+            "null_fpr": round(float((fired & ~positive).sum()) / nulls, 4) if nulls else None}
+
+
+def learned_gate(fit: ScoreTable, held: ScoreTable, kind: int, c: float) -> dict[str, Any] | None:
+    """The learned gate's fit and held-out rates; None when no cut keeps the fit part within the limits."""
+    from sklearn.linear_model import LogisticRegression
+
+    x_fit, x_held = features(fit, kind), features(held, kind)
+    mean, spread = x_fit.mean(axis=0), x_fit.std(axis=0) + 1e-9
+    winner = fit.scores.argmax(axis=1)
+    label = fit.positive & fit.expected[np.arange(len(winner)), winner] & fit.routable
+    if label.all() or not label.any():
+        return None
+    model = LogisticRegression(C=c, max_iter=2000).fit((x_fit - mean) / spread, label)
+    value_fit = model.decision_function((x_fit - mean) / spread)
+    value_held = model.decision_function((x_held - mean) / spread)
+    best: tuple[float, dict[str, float | None]] | None = None
+    for cut in np.unique(value_fit):
+        got = rates(fit, fit.routable & (value_fit >= cut))
+        within = (got["fired_wrong"] or 0.0) <= LIMITS["max_wrong"] + 1e-9 \
+            and (got["null_fpr"] or 0.0) <= LIMITS["max_null_fpr"] + 1e-9
+        if within and (best is None or (got["fired_right"] or 0.0) > (best[1]["fired_right"] or 0.0)):
+            best = (float(cut), got)
+    if best is None:
+        return None
+    return {"fit": best[1], "held_out": rates(held, held.routable & (value_held >= best[0]))}
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", default=",".join(SETS))
+    parser.add_argument("--features", default="0,1,2")
+    parser.add_argument("--c", default="0.1,1", help="the logistic regression's inverse L2 strengths")
+    parser.add_argument("--out", type=Path, default=RESULTS / "gate_trial.json")
+    args = parser.parse_args(argv)
+    kinds = [int(k) for k in args.features.split(",")]
+    strengths = [float(c) for c in args.c.split(",")]
+    found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
+    report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
+    with trial_bench("gate") as bench:
+        for evalset in found:
+            fixtures = load_fixtures(evalset.fixture_files)
+            fit_rows, held_rows = split(fixtures)
+            service = bench.service(evalset.tap, "fused")
+            try:
+                vectors, tokens = bench.vectors(service, fixtures), bench.tokens(service, fixtures)
+                grid = grid_for("fused")
+                tables = {k: score_table(service.router, fixtures, top_k=k, vectors=vectors, tokens=tokens)
+                          for k in grid.top_ks}
+                point, _ = best_point({k: t.subset(fit_rows) for k, t in tables.items()}, LIMITS["max_null_fpr"],
+                                      LIMITS["max_wrong"], grid)
+                if point is None:
+                    continue
+                table = tables[point.top_k]
+                shipped = gated(table, held_rows, Gates(point.threshold, point.margin, coverage=point.coverage))
+                report["results"].append({"set": evalset.name, "gate": "calibrated grid", "fit_fired_right":
+                                          point.fired_right, "held_out": shipped})
+                print(f"{evalset.name:20s} calibrated grid   fit {point.fired_right:.3f}  held out "
+                      f"{shipped['fired_right']:.3f} / {shipped['fired_wrong']:.3f} / {shipped.get('null_fpr')}",
+                      flush=True)
+                for kind in kinds:
+                    for c in strengths:
+                        got = learned_gate(table.subset(fit_rows), table.subset(held_rows), kind, c)
+                        name = f"learned f{kind} C={c:g}"
+                        report["results"].append({"set": evalset.name, "gate": name, "outcome": got})
+                        print(f"{evalset.name:20s} {name:17s} " + ("no feasible cut" if got is None else
+                              f"fit {got['fit']['fired_right']:.3f}  held out {got['held_out']['fired_right']:.3f} / "
+                              f"{got['held_out']['fired_wrong']:.3f} / {got['held_out']['null_fpr']}"), flush=True)
+            finally:
+                service.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
