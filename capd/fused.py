@@ -300,9 +300,10 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tu
 
     The objective and stopping rule are scikit-learn's ``LogisticRegression(C=HEAD_C)`` with its
     default L-BFGS solver (mean cross-entropy plus ``‖W‖² / (2·HEAD_C·n)``, the bias unpenalised;
-    from zero until no gradient component exceeds :data:`HEAD_TOL`), with every capability's row
-    penalised alike, two capabilities included (scikit-learn fits those as one binary row). It is
-    computed in float32 without a one-hot matrix: on the 1,000-capability benchmark tap (8,951
+    from zero until no gradient component exceeds :data:`HEAD_TOL`). For two capabilities
+    scikit-learn fits one binary row ``w`` (returned here as ``∓w/2``); two symmetric rows give the
+    same model when penalised twice as hard, so they are. It is computed in float32 without a
+    one-hot matrix: on the 1,000-capability benchmark tap (8,951
     examples) the weights match scikit-learn's to 1e-5 relative, in about a third of its time on
     one core (``python -m benchmarks.bench_engine``, "Fused head fit"). A capability without
     examples gets a bias that never wins.
@@ -321,7 +322,7 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tu
     x = np.ascontiguousarray(vectors, dtype=np.float32)
     rows, dim = x.shape
     every = np.arange(rows)
-    strength = 1.0 / (HEAD_C * rows)
+    strength = (2.0 if len(present) == 2 else 1.0) / (HEAD_C * rows)  # two: scikit-learn's binary penalty
     buffers = (np.empty((rows, len(present)), dtype=np.float32),  # reused: fresh ones per call cost page faults
                np.empty((len(present), dim), dtype=np.float32))
 

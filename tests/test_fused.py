@@ -96,6 +96,14 @@ def test_the_head_is_scikit_learns_multinomial_logistic_regression() -> None:
     assert (bias[[3, 6]] == -1e4).all() and not weight[:, [3, 6]].any()
     assert weight.dtype == bias.dtype == np.float32
 
+    two = np.isin(labels, [1, 4])  # scikit-learn fits two capabilities as one binary row w: here -w/2, w/2
+    weight, bias = fit_head(x[two], labels[two], 7)
+    binary = LogisticRegression(C=HEAD_C, tol=HEAD_TOL, max_iter=HEAD_MAX_ITER).fit(x[two], labels[two])
+    scale = float(np.abs(binary.coef_).max())
+    np.testing.assert_allclose(weight[:, 4] - weight[:, 1], binary.coef_[0], atol=1e-3 * scale)
+    np.testing.assert_allclose(bias[4] - bias[1], binary.intercept_[0], atol=1e-3 * scale)
+    np.testing.assert_allclose(weight[:, 4] + weight[:, 1], 0.0, atol=1e-3 * scale)
+
 
 def _unit(rng: np.random.Generator, rows: int, dim: int = 8) -> np.ndarray:
     matrix = rng.normal(size=(rows, dim)).astype(np.float32)
