@@ -17,15 +17,13 @@ table of the top_k calibration chose. Writes ``benchmarks/results/gate_trial.jso
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import EVALSETS, LIMITS, RESULTS, SETS, find_sets, gated, trial_bench
+from benchmarks.quality.run import EVALSETS, LIMITS, find_sets, gated, trial_bench, trial_parser
 from capd.calibrate import best_point, grid_for, split
 from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import load_fixtures
@@ -87,11 +85,9 @@ def learned_gate(fit: ScoreTable, held: ScoreTable, kind: int, c: float) -> dict
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sets", default=",".join(SETS))
+    parser = trial_parser(__doc__, "gate_trial")
     parser.add_argument("--features", default="0,1,2")
     parser.add_argument("--c", default="0.1,1", help="the logistic regression's inverse L2 strengths")
-    parser.add_argument("--out", type=Path, default=RESULTS / "gate_trial.json")
     args = parser.parse_args(argv)
     kinds = [int(k) for k in args.features.split(",")]
     strengths = [float(c) for c in args.c.split(",")]
@@ -101,9 +97,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         for evalset in found:
             fixtures = load_fixtures(evalset.fixture_files)
             fit_rows, held_rows = split(fixtures)
-            service = bench.service(evalset.tap, "fused")
-            try:
-                vectors, tokens = bench.vectors(service, fixtures), bench.tokens(service, fixtures)
+            with bench.fused_service(evalset.tap, fixtures) as (service, vectors, tokens):
                 grid = grid_for("fused")
                 tables = {k: score_table(service.router, fixtures, top_k=k, vectors=vectors, tokens=tokens)
                           for k in grid.top_ks}
@@ -126,8 +120,6 @@ def main(argv: list[str]) -> dict[str, Any]:
                         print(f"{evalset.name:20s} {name:17s} " + ("no feasible cut" if got is None else
                               f"fit {got['fit']['fired_right']:.3f}  held out {got['held_out']['fired_right']:.3f} / "
                               f"{got['held_out']['fired_wrong']:.3f} / {got['held_out']['null_fpr']}"), flush=True)
-            finally:
-                service.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report

@@ -50,13 +50,9 @@ def main(argv: list[str]) -> dict[str, Any]:
         for evalset in found:
             fixtures = load_fixtures(evalset.fixture_files)
             fit_rows, held_rows = split(fixtures)
-            service = bench.service(evalset.tap, "fused")
-            try:
-                vectors, tokens = bench.vectors(service, fixtures), bench.tokens(service, fixtures)
+            with bench.fused_service(evalset.tap, fixtures) as (service, vectors, tokens):
                 gates = fit_gates(score_variants(service.router, fixtures, vectors, tokens, grid), fit_rows,
                                   grid=grid, **LIMITS).point
-            finally:
-                service.close()
             if gates is None:
                 continue
             for value in values:

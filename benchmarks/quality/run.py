@@ -92,6 +92,15 @@ class EvalSet:
     fixture_files: tuple[Path, ...]
 
 
+def trial_parser(doc: str, name: str, sets: Sequence[str] = SETS) -> argparse.ArgumentParser:
+    """A research harness's command line: its docstring's first line, ``--sets`` and ``--out``
+    (``benchmarks/results/NAME.json``); the harness adds its own options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--sets", default=",".join(sets))
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
+    return parser
+
+
 def find_sets(names: Sequence[str], evalsets: Path) -> tuple[list[EvalSet], list[str]]:
     """The requested sets that exist, and a note for each one skipped."""
     found, skipped = [], []
@@ -169,6 +178,17 @@ class Bench:
         router = service.router
         model = router.encoder.model_id
         return [self.token_memo[model, clean_message(f.message, router.min_chars)[0]] for f in fixtures]
+
+
+    @contextmanager
+    def fused_service(self, tap: Path, fixtures: Sequence[Fixture]) -> Iterator[tuple[Service, np.ndarray,
+                                                                                      list[np.ndarray]]]:
+        """A started ``fused`` service on ``tap`` with the fixtures' vectors and token vectors; closed after."""
+        service = self.service(tap, "fused")
+        try:
+            yield service, self.vectors(service, fixtures), self.tokens(service, fixtures)
+        finally:
+            service.close()
 
 
 @contextmanager
