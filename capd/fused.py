@@ -303,10 +303,10 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tu
     from zero until no gradient component exceeds :data:`HEAD_TOL`). For two capabilities
     scikit-learn fits one binary row ``w`` (returned here as ``∓w/2``); two symmetric rows give the
     same model when penalised twice as hard, so they are. It is computed in float32 without a
-    one-hot matrix: on the 1,000-capability benchmark tap (8,951
-    examples) the weights match scikit-learn's to 1e-5 relative, in about a third of its time on
-    one core (``python -m benchmarks.bench_engine``, "Fused head fit"). A capability without
-    examples gets a bias that never wins.
+    one-hot matrix: on the 1,000-capability benchmark tap (8,951 examples) the weights match
+    scikit-learn's to 1e-5 relative, in about a third of its time on one core (``python -m
+    benchmarks.bench_engine``, "Fused head fit"). A capability without examples gets a bias that
+    never wins.
 
     Below :data:`ONE_THREAD_WORK` the fit keeps to one BLAS thread: its products are too small to
     share, and waking other threads for each of them made a 60-capability fit several times slower
