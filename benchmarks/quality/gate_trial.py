@@ -17,6 +17,7 @@ table of the top_k calibration chose. Writes ``benchmarks/results/gate_trial.jso
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -25,7 +26,7 @@ import numpy as np
 
 from benchmarks.quality.run import EVALSETS, LIMITS, find_sets, gated, trial_bench, trial_parser
 from capd.calibrate import best_point, grid_for, split
-from capd.evaluation import ScoreTable, score_table
+from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import load_fixtures
 from capd.router import Gates
 
@@ -48,15 +49,9 @@ def features(table: ScoreTable, kind: int) -> np.ndarray:
     return np.column_stack(columns).astype(np.float64)
 
 
-def rates(table: ScoreTable, fired: np.ndarray) -> dict[str, float | None]:
-    """fired_right, fired_wrong (shares of positives) and null_fpr (of nulls; None without nulls)."""
-    winner = table.scores.argmax(axis=1)
-    correct = table.expected[np.arange(len(winner)), winner]
-    positive = table.positive
-    positives, nulls = max(int(positive.sum()), 1), int((~positive).sum())
-    return {"fired_right": round(float((fired & correct & positive).sum()) / positives, 4),
-            "fired_wrong": round(float((fired & ~correct & positive).sum()) / positives, 4),
-            "null_fpr": round(float((fired & ~positive).sum()) / nulls, 4) if nulls else None}
+def rates(table: ScoreTable, fired: np.ndarray) -> dict[str, Any]:
+    """``capd eval``'s metrics (fired_right, fired_wrong, null_fpr …) of the rows ``fired`` marks."""
+    return metrics(table, dataclasses.replace(apply_gates(table, -np.inf, -np.inf), fired=fired))
 
 
 def learned_gate(fit: ScoreTable, held: ScoreTable, kind: int, c: float) -> dict[str, Any] | None:
@@ -72,7 +67,7 @@ def learned_gate(fit: ScoreTable, held: ScoreTable, kind: int, c: float) -> dict
     model = LogisticRegression(C=c, max_iter=2000).fit((x_fit - mean) / spread, label)
     value_fit = model.decision_function((x_fit - mean) / spread)
     value_held = model.decision_function((x_held - mean) / spread)
-    best: tuple[float, dict[str, float | None]] | None = None
+    best: tuple[float, dict[str, Any]] | None = None
     for cut in np.unique(value_fit):
         got = rates(fit, fit.routable & (value_fit >= cut))
         within = (got["fired_wrong"] or 0.0) <= LIMITS["max_wrong"] + 1e-9 \

@@ -179,7 +179,6 @@ class Bench:
         model = router.encoder.model_id
         return [self.token_memo[model, clean_message(f.message, router.min_chars)[0]] for f in fixtures]
 
-
     @contextmanager
     def fused_service(self, tap: Path, fixtures: Sequence[Fixture]) -> Iterator[tuple[Service, np.ndarray,
                                                                                       list[np.ndarray]]]:
