@@ -2,8 +2,9 @@
 
 Run: ``.venv/bin/python -m benchmarks.bench_daemon`` (about 14 minutes here once the cache is warm;
 the first run also generates the taps and embeds about 100k triggers, a few minutes more)
-or ``--quick`` (about 1.5 minutes: the 60 and 1,000 capability taps only, shorter loops), or
-``--overhead`` (the daemon's own cost per route only, printed).
+or ``--quick`` (about 2 minutes: the 60 and 1,000 capability taps only, shorter loops),
+``--overhead`` (the daemon's own cost per route only, printed) or ``--turns`` (one route per
+turn only, both rules on the smallest tap, printed).
 Writes ``benchmarks/results/daemon{,-quick}.json``, ``.md`` and ``.png``.
 
 For taps of about 60, 1,000 and 10,000 generated capabilities (:mod:`benchmarks.gen_tap`):
@@ -13,6 +14,9 @@ For taps of about 60, 1,000 and 10,000 generated capabilities (:mod:`benchmarks.
   so that background load hits both alike; and the same routes from a minimal keep-alive
   HTTP/1.1 client on a plain socket (:class:`RawClient`), in the same blocks: httpx's own
   per-request CPU is part of the first figure (an agent may use any client), not of the daemon;
+- one route per turn (:func:`per_turn`): each message encoded bare, routed through httpx and
+  through the raw client, each call after 50 ms of idle, as an agent's turns arrive; on the
+  smallest tap also for a ``fused`` daemon;
 - throughput with 1, 8 and 32 concurrent clients (threads, one keep-alive client each);
 - RSS of the daemon after the load; warm start to ready (process spawn to ``/v1/health``
   ready) with the cached data dir, cold start with an empty one (ONNX export + embedding);
@@ -69,6 +73,7 @@ CACHE = ROOT / "benchmarks" / ".cache"
 CLIENTS = (1, 8, 32)
 TOP_K = 3
 BLOCK = 50  # messages per interleaved block (bare encode, then route)
+TURN_GAP_S = 0.05  # per_turn: idle before each timed call; an encode after 50 ms idle is as slow as after 1 s here
 
 
 @dataclass(frozen=True)
@@ -87,12 +92,13 @@ class Plan:
     upkeep_sizes: tuple[int, ...] = (60, 1_000)  # rule_upkeep (the fused rule's fitting), not at 10,000
     probe_seconds: float = 5.0  # rule_upkeep: idle routing before the edits, the baseline for routing during them
     overhead_routes: int = 3_000  # daemon_overhead: routes on the hash model
+    turn_messages: int = 200  # per_turn: routes (and bare encodes) one at a time after TURN_GAP_S idle
 
 
 FULL = Plan()
 QUICK = Plan(sizes=(60, 1_000), latency_messages=300, latency_budget_s=10.0, torch_messages=100, level_seconds=2.5,
              warm_runs=2, cold_sizes=(60,), torch_daemon=False, scoring_messages=100, upkeep_sizes=(60,),
-             overhead_routes=1_000)
+             overhead_routes=1_000, turn_messages=80)
 
 
 # -- small helpers ----------------------------------------------------------------------------
@@ -288,6 +294,36 @@ def route_and_encode(daemon: Daemon, encoder: Encoder, messages: list[str], budg
             "decisions": decisions}
 
 
+def per_turn(daemon: Daemon, encoder: Encoder, messages: list[str], prefix: str) -> dict[str, Any]:
+    """Route latency as an agent sees it: one route per turn, after idle time. Each message is
+    encoded bare in this process, routed through httpx and routed through :class:`RawClient`, each
+    call after :data:`TURN_GAP_S` of idle, so the bare encode and both routes start from the same
+    idle machine (threads parked, caches and clocks cold) instead of back to back, where each
+    call warms the next. :func:`route_and_encode` measures back to back."""
+    routes: list[float] = []
+    raw_routes: list[float] = []
+    encodes: list[float] = []
+    raw = RawClient(daemon.port)
+    try:
+        with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
+            for i, message in enumerate(messages):
+                text = clean_message(message, 0)[0]
+                time.sleep(TURN_GAP_S)
+                encodes.append(timed(lambda t=text: encoder.embed([t])))  # type: ignore[misc]
+                time.sleep(TURN_GAP_S)
+                body = {"session": f"{prefix}-{i // 25}", "message": f"{message} (turn)"}
+                began = time.perf_counter()
+                client.post("/v1/route", json=body).raise_for_status()
+                routes.append((time.perf_counter() - began) * 1000)
+                time.sleep(TURN_GAP_S)
+                raw_body = {"session": f"{prefix}-raw-{i // 25}", "message": f"{message} (raw turn)"}
+                raw_routes.append(timed(lambda b=raw_body: raw.post("/v1/route", b)))  # type: ignore[misc]
+    finally:
+        raw.close()
+    return {"gap_s": TURN_GAP_S, "route": stats(routes), "route_raw_client": stats(raw_routes),
+            "encode": stats(encodes)}
+
+
 def daemon_overhead(plan: Plan, messages: list[str], log_dir: Path) -> dict[str, Any]:
     """What the daemon itself costs per route, apart from the model: a daemon on the hash model
     (an encode of microseconds) and the smallest tap, one :class:`RawClient`, routes with session
@@ -472,12 +508,15 @@ def bench_size(size: int, plan: Plan, onnx: Encoder, messages: list[str], log_di
         out["memory_idle"] = daemon.memory_mb()
         out["one_client"] = route_and_encode(daemon, onnx, messages[:plan.latency_messages], plan.latency_budget_s,
                                              f"lat{size}")
+        out["per_turn"] = per_turn(daemon, onnx, messages[-plan.turn_messages:], f"turn{size}")
         out["encoder_rates"] = encoder_rates(onnx, messages, plan.level_seconds / 2)
         out["throughput"] = {}
         for clients in CLIENTS:
             out["throughput"][str(clients)] = throughput(daemon, messages, clients, plan.level_seconds,
                                                          plan.level_max_requests, f"tp{size}-{clients}")
         out["memory"] = daemon.memory_mb()
+    if size == plan.sizes[0]:
+        out["per_turn_fused"] = fused_per_turn(size, plan, onnx, messages, log_dir)
     out["scoring"] = scoring(size, onnx, data_dir, messages[:plan.scoring_messages])
     if size in plan.upkeep_sizes:
         out["upkeep"] = rule_upkeep(size, plan, log_dir)
@@ -609,6 +648,13 @@ def torch_route(plan: Plan, torch: Encoder, messages: list[str], log_dir: Path) 
 
 # -- targets, report --------------------------------------------------------------------------
 
+def turn_ratios(turn: dict[str, Any]) -> dict[str, float]:
+    """:func:`per_turn`'s routes over its bare encodes (p50s)."""
+    encode = turn["encode"]["p50_ms"]
+    return {"turn_route_p50_over_encode_p50": ratio(turn["route"]["p50_ms"], encode),
+            "turn_raw_client_route_p50_over_encode_p50": ratio(turn["route_raw_client"]["p50_ms"], encode)}
+
+
 def derive(result: dict[str, Any]) -> None:
     """Ratios and pass / fail per target, from the measured figures."""
     sizes = result["sizes"]
@@ -641,6 +687,13 @@ def derive(result: dict[str, Any]) -> None:
         }
         label = f"{size:,} caps"
         target(f"route p50 / bare ONNX encode p50 ({label})", row["ratios"]["route_p50_over_encode_p50"], 1.3, "x")
+        row["per_turn"]["ratios"] = turn_ratios(row["per_turn"])
+        target(f"route p50 / bare ONNX encode p50, one route per turn ({label})",
+               row["per_turn"]["ratios"]["turn_route_p50_over_encode_p50"], 1.3, "x")
+        if "per_turn_fused" in row:
+            row["per_turn_fused"]["ratios"] = turn_ratios(row["per_turn_fused"])
+            target(f"`fused` rule: route p50 / bare ONNX encode p50, one route per turn ({label}; the quality "
+                   "issue's limit)", row["per_turn_fused"]["ratios"]["turn_route_p50_over_encode_p50"], 1.5, "x")
         target(f"route p99 / p50 ({label})", row["ratios"]["route_p99_over_route_p50"], 3.0, "x")
         target(f"throughput 32 clients / 1 client ({label})", row["ratios"]["throughput_32_over_1"], 4.0, "x",
                higher_is_better=True)
@@ -655,6 +708,13 @@ def derive(result: dict[str, Any]) -> None:
         target(f"route p50 {large:,} caps / {small:,} caps",
                result["by_size"][str(large)]["ratios"]["route_p50_over_smallest"], 1.2, "x")
     result["targets"] = targets
+
+
+def turn_cell(turn: dict[str, Any]) -> str:
+    ratios = turn["ratios"]
+    route, raw, encode = (turn[k]["p50_ms"] for k in ("route", "route_raw_client", "encode"))
+    return (f"{route:.2f} / {raw:.2f}; {encode:.2f}; "
+            f"**{ratios['turn_route_p50_over_encode_p50']}x** ({ratios['turn_raw_client_route_p50_over_encode_p50']}x)")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -685,6 +745,10 @@ def markdown(result: dict[str, Any]) -> str:
             lambda r: f"{r['one_client']['route_raw_client']['p50_ms']:.2f} / "
                       f"{r['one_client']['route_raw_client']['p99_ms']:.2f} "
                       f"({r['ratios']['raw_client_route_p50_over_encode_p50']}x)") + " |",
+        f"| one route per turn (each call after {TURN_GAP_S * 1000:.0f} ms idle): route p50, httpx / raw socket; "
+        "bare encode p50 (ms); **route / encode** (raw socket) | " + cells(lambda r: turn_cell(r["per_turn"])) + " |",
+        "| the same, `fused` rule daemon | " + cells(
+            lambda r: turn_cell(r["per_turn_fused"]) if "per_turn_fused" in r else "—") + " |",
         "| route p99 / route p50 | " + cells(lambda r: f"{r['ratios']['route_p99_over_route_p50']}x") + " |",
         "| capd scoring, top-5 exact (ms; / encode) | " + cells(
             lambda r: f"{r['scoring']['capd_top5']['p50_ms']:.3f} ({r['ratios']['capd_scoring_over_encode']}x)")
@@ -814,6 +878,47 @@ def upkeep_only(sizes: list[int], plan: Plan) -> dict[str, Any]:
     return result
 
 
+def fused_per_turn(size: int, plan: Plan, onnx: Encoder, messages: list[str], log_dir: Path) -> dict[str, Any]:
+    """:func:`per_turn` for a ``fused`` daemon, on a copy of the size's data dir (the fits it
+    caches would otherwise make :func:`rule_upkeep`'s first start a warm one)."""
+    tap, data_dir = gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}"
+    with tempfile.TemporaryDirectory(prefix=f"capd-turns-{size}-fused-") as scratch:
+        work = Path(scratch) / "data"
+        shutil.copytree(data_dir, work, ignore=shutil.ignore_patterns("sessions.sqlite3*", "*.lock"))
+        with running(tap, work, log_dir, plan.ready_timeout_s, rule="fused") as (daemon, _, _):
+            warm_routes(daemon, messages)
+            return per_turn(daemon, onnx, messages[-plan.turn_messages:], f"turn{size}-fused")
+
+
+def warm_routes(daemon: Daemon, messages: list[str]) -> None:
+    with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
+        for i in range(20):  # the connection, the threadpool and the model
+            client.post("/v1/route", json={"session": "warm", "message": f"warm up {i}: {messages[i]}"})
+
+
+def turns_only(plan: Plan) -> dict[str, Any]:
+    """``--turns``: :func:`per_turn` on the smallest tap, with the default rule and with ``fused``,
+    printed with their ratios."""
+    size = plan.sizes[0]
+    tap, data_dir = gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}"
+    messages = gen_tap.messages(4_000, tap_size=size)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="capd-bench-turns-") as logs:
+        prime(size, tap, data_dir, Path(logs), plan)
+        onnx = open_encoder(Settings(data_dir=data_dir, backend="onnx", taps=()))
+        for message in messages[:20]:
+            onnx.embed([message])
+        fresh_sessions(data_dir)
+        with running(tap, data_dir, Path(logs), plan.ready_timeout_s) as (daemon, _, _):
+            warm_routes(daemon, messages)
+            out["capd"] = per_turn(daemon, onnx, messages[-plan.turn_messages:], f"turn{size}")
+        out["fused"] = fused_per_turn(size, plan, onnx, messages, Path(logs))
+    for turn in out.values():
+        turn["ratios"] = turn_ratios(turn)
+    print(json.dumps(out))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="capd daemon benchmark")
     parser.add_argument("--quick", action="store_true", help="60 and 1,000 capabilities, short loops (~1.5 min)")
@@ -821,12 +926,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "benchmarks/results/upkeep.{json,md}")
     parser.add_argument("--probe-seconds", type=float, default=FULL.probe_seconds,
                         help="rule_upkeep's idle routing before the edits; 0: no client routes at all")
+    parser.add_argument("--turns", action="store_true",
+                        help="only one route per turn on the smallest tap, against the bare encode, printed (~1 min)")
     parser.add_argument("--overhead", action="store_true",
                         help="only the daemon's own cost per route (hash model), printed (~15 s)")
     args = parser.parse_args(argv if argv is not None else [])
     plan = replace(QUICK if args.quick else FULL, probe_seconds=args.probe_seconds)
     if args.upkeep:
         return upkeep_only([int(size) for size in args.upkeep.split(",")], plan)
+    if args.turns:
+        return turns_only(plan)
     if args.overhead:
         with tempfile.TemporaryDirectory(prefix="capd-bench-daemon-") as logs:
             overhead = daemon_overhead(plan, gen_tap.messages(4_000, tap_size=plan.sizes[0]), Path(logs))
