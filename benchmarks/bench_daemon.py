@@ -14,9 +14,9 @@ For taps of about 60, 1,000 and 10,000 generated capabilities (:mod:`benchmarks.
   so that background load hits both alike; and the same routes from a minimal keep-alive
   HTTP/1.1 client on a plain socket (:class:`RawClient`), in the same blocks: httpx's own
   per-request CPU is part of the first figure (an agent may use any client), not of the daemon;
-- one route per turn (:func:`per_turn`): each message encoded bare, routed through httpx and
-  through the raw client, each call after 50 ms of idle, as an agent's turns arrive; on the
-  smallest tap also for a ``fused`` daemon;
+- one route per turn (:func:`per_turn`): each message encoded bare and routed through capd's own
+  client, through httpx and through the raw client, each call after 50 ms of idle, as an agent's
+  turns arrive; on the smallest tap also for a ``fused`` daemon;
 - throughput with 1, 8 and 32 concurrent clients (threads, one keep-alive client each);
 - RSS of the daemon after the load; warm start to ready (process spawn to ``/v1/health``
   ready) with the cached data dir, cold start with an empty one (ONNX export + embedding);
@@ -61,6 +61,7 @@ from filelock import FileLock
 
 from benchmarks import gen_tap
 from capd.autogates import AUTO_REFIT_SHARE
+from capd.client import CapdClient
 from capd.encoder import Encoder, open_encoder
 from capd.index import TriggerIndex
 from capd.settings import Settings
@@ -296,20 +297,26 @@ def route_and_encode(daemon: Daemon, encoder: Encoder, messages: list[str], budg
 
 def per_turn(daemon: Daemon, encoder: Encoder, messages: list[str], prefix: str) -> dict[str, Any]:
     """Route latency as an agent sees it: one route per turn, after idle time. Each message is
-    encoded bare in this process, routed through httpx and routed through :class:`RawClient`, each
-    call after :data:`TURN_GAP_S` of idle, so the bare encode and both routes start from the same
-    idle machine (threads parked, caches and clocks cold) instead of back to back, where each
-    call warms the next. :func:`route_and_encode` measures back to back."""
+    encoded bare in this process and routed through capd's own client (:class:`CapdClient`),
+    through httpx and through :class:`RawClient`, each call after :data:`TURN_GAP_S` of idle, so
+    the bare encode and the routes start from the same idle machine (threads parked, caches and
+    clocks cold) instead of back to back, where each call warms the next.
+    :func:`route_and_encode` measures back to back."""
+    capd_routes: list[float] = []
     routes: list[float] = []
     raw_routes: list[float] = []
     encodes: list[float] = []
     raw = RawClient(daemon.port)
     try:
-        with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
+        with httpx.Client(base_url=daemon.url, timeout=30.0) as client, CapdClient(daemon.url) as capd:
+            capd.health()  # its connection is open, as the others' are
             for i, message in enumerate(messages):
                 text = clean_message(message, 0)[0]
                 time.sleep(TURN_GAP_S)
                 encodes.append(timed(lambda t=text: encoder.embed([t])))  # type: ignore[misc]
+                time.sleep(TURN_GAP_S)
+                capd_routes.append(timed(lambda m=message, s=f"{prefix}-capd-{i // 25}":  # type: ignore[misc]
+                                         capd.route(s, f"{m} (capd turn)")))
                 time.sleep(TURN_GAP_S)
                 body = {"session": f"{prefix}-{i // 25}", "message": f"{message} (turn)"}
                 began = time.perf_counter()
@@ -320,8 +327,8 @@ def per_turn(daemon: Daemon, encoder: Encoder, messages: list[str], prefix: str)
                 raw_routes.append(timed(lambda b=raw_body: raw.post("/v1/route", b)))  # type: ignore[misc]
     finally:
         raw.close()
-    return {"gap_s": TURN_GAP_S, "route": stats(routes), "route_raw_client": stats(raw_routes),
-            "encode": stats(encodes)}
+    return {"gap_s": TURN_GAP_S, "route_capd_client": stats(capd_routes), "route": stats(routes),
+            "route_raw_client": stats(raw_routes), "encode": stats(encodes)}
 
 
 def daemon_overhead(plan: Plan, messages: list[str], log_dir: Path) -> dict[str, Any]:
@@ -651,7 +658,8 @@ def torch_route(plan: Plan, torch: Encoder, messages: list[str], log_dir: Path) 
 def turn_ratios(turn: dict[str, Any]) -> dict[str, float]:
     """:func:`per_turn`'s routes over its bare encodes (p50s)."""
     encode = turn["encode"]["p50_ms"]
-    return {"turn_route_p50_over_encode_p50": ratio(turn["route"]["p50_ms"], encode),
+    return {"turn_capd_client_route_p50_over_encode_p50": ratio(turn["route_capd_client"]["p50_ms"], encode),
+            "turn_route_p50_over_encode_p50": ratio(turn["route"]["p50_ms"], encode),
             "turn_raw_client_route_p50_over_encode_p50": ratio(turn["route_raw_client"]["p50_ms"], encode)}
 
 
@@ -688,12 +696,13 @@ def derive(result: dict[str, Any]) -> None:
         label = f"{size:,} caps"
         target(f"route p50 / bare ONNX encode p50 ({label})", row["ratios"]["route_p50_over_encode_p50"], 1.3, "x")
         row["per_turn"]["ratios"] = turn_ratios(row["per_turn"])
-        target(f"route p50 / bare ONNX encode p50, one route per turn ({label})",
-               row["per_turn"]["ratios"]["turn_route_p50_over_encode_p50"], 1.3, "x")
+        target(f"route p50 (CapdClient) / bare ONNX encode p50, one route per turn ({label})",
+               row["per_turn"]["ratios"]["turn_capd_client_route_p50_over_encode_p50"], 1.3, "x")
         if "per_turn_fused" in row:
             row["per_turn_fused"]["ratios"] = turn_ratios(row["per_turn_fused"])
-            target(f"`fused` rule: route p50 / bare ONNX encode p50, one route per turn ({label}; the quality "
-                   "issue's limit)", row["per_turn_fused"]["ratios"]["turn_route_p50_over_encode_p50"], 1.5, "x")
+            target(f"`fused` rule: route p50 (CapdClient) / bare ONNX encode p50, one route per turn ({label}; "
+                   "the quality issue's limit)",
+                   row["per_turn_fused"]["ratios"]["turn_capd_client_route_p50_over_encode_p50"], 1.5, "x")
         target(f"route p99 / p50 ({label})", row["ratios"]["route_p99_over_route_p50"], 3.0, "x")
         target(f"throughput 32 clients / 1 client ({label})", row["ratios"]["throughput_32_over_1"], 4.0, "x",
                higher_is_better=True)
@@ -712,9 +721,10 @@ def derive(result: dict[str, Any]) -> None:
 
 def turn_cell(turn: dict[str, Any]) -> str:
     ratios = turn["ratios"]
-    route, raw, encode = (turn[k]["p50_ms"] for k in ("route", "route_raw_client", "encode"))
-    return (f"{route:.2f} / {raw:.2f}; {encode:.2f}; "
-            f"**{ratios['turn_route_p50_over_encode_p50']}x** ({ratios['turn_raw_client_route_p50_over_encode_p50']}x)")
+    capd, route, raw, encode = (turn[k]["p50_ms"] for k in ("route_capd_client", "route", "route_raw_client", "encode"))
+    return (f"{capd:.2f} / {route:.2f} / {raw:.2f}; {encode:.2f}; "
+            f"**{ratios['turn_capd_client_route_p50_over_encode_p50']}x** "
+            f"({ratios['turn_route_p50_over_encode_p50']}x / {ratios['turn_raw_client_route_p50_over_encode_p50']}x)")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -745,8 +755,9 @@ def markdown(result: dict[str, Any]) -> str:
             lambda r: f"{r['one_client']['route_raw_client']['p50_ms']:.2f} / "
                       f"{r['one_client']['route_raw_client']['p99_ms']:.2f} "
                       f"({r['ratios']['raw_client_route_p50_over_encode_p50']}x)") + " |",
-        f"| one route per turn (each call after {TURN_GAP_S * 1000:.0f} ms idle): route p50, httpx / raw socket; "
-        "bare encode p50 (ms); **route / encode** (raw socket) | " + cells(lambda r: turn_cell(r["per_turn"])) + " |",
+        f"| one route per turn (each call after {TURN_GAP_S * 1000:.0f} ms idle): route p50, CapdClient / httpx / "
+        "raw socket; bare encode p50 (ms); **route through CapdClient / encode** (httpx / raw socket) | "
+        + cells(lambda r: turn_cell(r["per_turn"])) + " |",
         "| the same, `fused` rule daemon | " + cells(
             lambda r: turn_cell(r["per_turn_fused"]) if "per_turn_fused" in r else "—") + " |",
         "| route p99 / route p50 | " + cells(lambda r: f"{r['ratios']['route_p99_over_route_p50']}x") + " |",

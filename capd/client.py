@@ -11,13 +11,13 @@ Example, before each agent turn::
 
 from __future__ import annotations
 
+import json
 from types import TracebackType
 from typing import Any
 
-import httpx
-
 from capd.errors import CapdError, ClientError, DaemonUnreachable, UnknownCapability, UnknownSession
 from capd.sessions import check_session_id
+from capd.transport import Transport, TransportError
 
 
 class ApiError(ClientError):
@@ -69,10 +69,9 @@ class CapdClient:
     def __init__(self, url: str = "http://127.0.0.1:7171", token: str | None = None, uds: str | None = None,
                  timeout: float = 10.0) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        transport = httpx.HTTPTransport(uds=uds) if uds else None
         self.url = url if not uds else "http://capd"
         self._where = uds or url
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        self._http = Transport(url, uds, timeout, headers)
 
     def __enter__(self) -> CapdClient:
         return self
@@ -90,26 +89,27 @@ class CapdClient:
         """One request; ``session`` is the session id in ``path``, for :class:`UnknownSession`;
         ``expect`` the keys a capd answer has (an answer without them is from something else)."""
         try:
-            response = self._http.request(method, path, json=body, params=params)
+            data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
+            answer = self._http.request(method, path, data, params)
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"), which no UTF-8 request can carry
             raise ClientError("the request is not Unicode text: it holds a lone surrogate "
                               f"({exc.object[exc.start:exc.end]!r})") from None
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(f"no capd daemon answering at {self._where} ({exc.__class__.__name__}); "
+        except TransportError as exc:
+            raise DaemonUnreachable(f"no capd daemon answering at {self._where} ({exc}); "
                                     "start one with `capd serve` (or `make serve` in a checkout)") from None
         try:
-            payload = response.json()
+            payload = json.loads(answer.body)
         except ValueError:
             payload = None
         # capd answers every call, errors included, with a JSON object; another HTTP server (a web
         # server left on the port, a proxy's error page) is said to be one, not shown as raw HTML.
-        keys = ("error",) if response.status_code >= 400 else expect
+        keys = ("error",) if answer.status >= 400 else expect
         if not isinstance(payload, dict) or any(key not in payload for key in keys):
-            kind = response.headers.get("content-type", "no content type").split(";")[0]
+            kind = (answer.content_type or "no content type").split(";")[0]
             raise DaemonUnreachable(f"{self._where} does not look like a capd daemon ({method} {path} answered "
-                                    f"{response.status_code} with {kind}, not capd's JSON)")
-        if response.status_code >= 400:
-            raise _error(response.status_code, payload, session, (body or {}).get("name"))
+                                    f"{answer.status} with {kind}, not capd's JSON)")
+        if answer.status >= 400:
+            raise _error(answer.status, payload, session, (body or {}).get("name"))
         return payload
 
     def health(self) -> dict[str, Any]:

@@ -36,6 +36,10 @@ SERVED = "another capd is serving there (stop it, or use another --uds)"
 # Libraries whose debug lines describe each file event or HTTP call: at ``--log-level debug`` a log
 # file where the daemon watches (a tap's parent folder) made watchdog log an event per line it
 # wrote, without end. Debug there means capd's own detail.
+# An agent routes once per turn, and turns are seconds to a minute apart: with uvicorn's 5 s default
+# nearly every turn would open a new connection (0.2-0.7 ms more per route here, more through httpx).
+# An idle connection costs the daemon a file descriptor and a few kB.
+KEEP_ALIVE_S = 75
 QUIET_AT_DEBUG = ("watchdog", "httpx", "httpcore", "urllib3", "filelock", "asyncio")
 
 
@@ -150,7 +154,7 @@ def serve(settings: Settings) -> None:
     # off the daemon's own cost per route (`bench_daemon --overhead`, interleaved with asyncio).
     # log_config=None: uvicorn's lines go through capd's format, with the time (its own has none).
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, lifespan="on", http="httptools",
-                            loop="auto", log_config=None)
+                            loop="auto", log_config=None, timeout_keep_alive=KEEP_ALIVE_S)
     uds = Path(settings.uds) if settings.uds is not None else None
     server = _Server(config, uds, socket_identity(uds) if uds is not None else None, lock)
     try:
