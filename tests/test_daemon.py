@@ -361,3 +361,35 @@ def test_a_closed_output_pipe_ends_quietly_with_141(tmp_path: Path) -> None:
     finally:
         os.close(write_end)
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+@pytest.mark.slow
+def test_an_idle_connection_outlives_uvicorns_five_seconds(daemon_dirs: tuple[Path, Path]) -> None:
+    """An agent's turns are often more than 5 s apart (uvicorn's default keep-alive): the daemon
+    keeps an idle connection for ``KEEP_ALIVE_S``, so the next turn's route reuses it."""
+    tap, data = daemon_dirs
+    port = _free_port()
+    proc = _start(["--tap", str(tap), "--data-dir", str(data), "--port", str(port)])
+    client = CapdClient(f"http://127.0.0.1:{port}")
+    request = f"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+    try:
+        _wait_ready(client, proc)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, sock.makefile("rb") as reader:
+            for turn in range(2):
+                if turn:
+                    time.sleep(6.0)
+                    sock.setblocking(False)
+                    with pytest.raises(BlockingIOError):  # nothing to read: the daemon has not closed it
+                        sock.recv(1)
+                    sock.settimeout(10)
+                sock.sendall(request)
+                assert reader.readline().startswith(b"HTTP/1.1 200")
+                length = 0
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.partition(b":")
+                    length = int(value) if name.strip().lower() == b"content-length" else length
+                assert b'"ready":true' in reader.read(length)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        client.close()
