@@ -217,6 +217,11 @@ def running(tap: Path, data_dir: Path, log_dir: Path, timeout: float, backend: s
         daemon.stop()
 
 
+def copy_data_dir(data_dir: Path, dest: Path) -> None:
+    """A working copy of a cached data dir: vectors, ONNX export and fits, no sessions or locks."""
+    shutil.copytree(data_dir, dest, ignore=shutil.ignore_patterns("sessions.sqlite3*", "*.lock"))
+
+
 def fresh_sessions(data_dir: Path) -> None:
     """Sessions from an earlier run would grow the store every rerun; vectors and ONNX stay."""
     for suffix in ("", "-wal", "-shm"):
@@ -319,9 +324,7 @@ def per_turn(daemon: Daemon, encoder: Encoder, messages: list[str], prefix: str)
                                          capd.route(s, f"{m} (capd turn)")))
                 time.sleep(TURN_GAP_S)
                 body = {"session": f"{prefix}-{i // 25}", "message": f"{message} (turn)"}
-                began = time.perf_counter()
-                client.post("/v1/route", json=body).raise_for_status()
-                routes.append((time.perf_counter() - began) * 1000)
+                routes.append(timed(lambda b=body: client.post("/v1/route", json=b).raise_for_status()))  # type: ignore[misc]
                 time.sleep(TURN_GAP_S)
                 raw_body = {"session": f"{prefix}-raw-{i // 25}", "message": f"{message} (raw turn)"}
                 raw_routes.append(timed(lambda b=raw_body: raw.post("/v1/route", b)))  # type: ignore[misc]
@@ -614,7 +617,7 @@ def rule_upkeep(size: int, plan: Plan, log_dir: Path) -> dict[str, Any]:
         try:
             work_tap, work_data = scratch / "tap", scratch / "data"
             shutil.copytree(tap, work_tap)
-            shutil.copytree(data_dir, work_data, ignore=shutil.ignore_patterns("sessions.sqlite3*", "*.lock"))
+            copy_data_dir(data_dir, work_data)
             row: dict[str, Any] = {}
             with running(work_tap, work_data, log_dir, plan.ready_timeout_s, rule=rule) as (daemon, seconds, health):
                 row["first_start_s"] = round(seconds, 2)
@@ -895,7 +898,7 @@ def fused_per_turn(size: int, plan: Plan, onnx: Encoder, messages: list[str], lo
     tap, data_dir = gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}"
     with tempfile.TemporaryDirectory(prefix=f"capd-turns-{size}-fused-") as scratch:
         work = Path(scratch) / "data"
-        shutil.copytree(data_dir, work, ignore=shutil.ignore_patterns("sessions.sqlite3*", "*.lock"))
+        copy_data_dir(data_dir, work)
         with running(tap, work, log_dir, plan.ready_timeout_s, rule="fused") as (daemon, _, _):
             warm_routes(daemon, messages)
             return per_turn(daemon, onnx, messages[-plan.turn_messages:], f"turn{size}-fused")

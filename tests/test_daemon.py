@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import os
 import re
@@ -20,6 +22,7 @@ from capd import daemon
 from capd.client import CapdClient
 from capd.errors import DaemonUnreachable
 from capd.settings import Settings
+from capd.transport import _still_open
 from tests.conftest import isolated_data_dir
 from tests.taputil import octomind_tap
 
@@ -371,25 +374,18 @@ def test_an_idle_connection_outlives_uvicorns_five_seconds(daemon_dirs: tuple[Pa
     port = _free_port()
     proc = _start(["--tap", str(tap), "--data-dir", str(data), "--port", str(port)])
     client = CapdClient(f"http://127.0.0.1:{port}")
-    request = f"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         _wait_ready(client, proc)
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, sock.makefile("rb") as reader:
-            for turn in range(2):
-                if turn:
-                    time.sleep(6.0)
-                    sock.setblocking(False)
-                    with pytest.raises(BlockingIOError):  # nothing to read: the daemon has not closed it
-                        sock.recv(1)
-                    sock.settimeout(10)
-                sock.sendall(request)
-                assert reader.readline().startswith(b"HTTP/1.1 200")
-                length = 0
-                while (line := reader.readline()) not in (b"\r\n", b""):
-                    name, _, value = line.partition(b":")
-                    length = int(value) if name.strip().lower() == b"content-length" else length
-                assert b'"ready":true' in reader.read(length)
+        for turn in range(2):
+            if turn:
+                time.sleep(6.0)
+                assert _still_open(connection)  # nothing to read: the daemon has not closed it
+            connection.request("GET", "/v1/health")
+            response = connection.getresponse()
+            assert response.status == 200 and json.loads(response.read())["ready"] is True
     finally:
+        connection.close()
         proc.terminate()
         proc.wait(20)
         client.close()
