@@ -53,8 +53,8 @@ def precision(residuals: np.ndarray, shrinkage: str) -> tuple[np.ndarray, float]
 def squared_distances(vectors: np.ndarray, means: np.ndarray, inverse: np.ndarray) -> np.ndarray:
     """``[n, C]``: each vector's squared Mahalanobis distance to each mean."""
     projected = vectors @ inverse
-    return ((projected * vectors).sum(axis=1)[:, None] - 2 * projected @ means.T
-            + ((means @ inverse) * means).sum(axis=1)[None, :])
+    return np.asarray((projected * vectors).sum(axis=1)[:, None] - 2 * projected @ means.T
+                      + ((means @ inverse) * means).sum(axis=1)[None, :])
 
 
 def statistics(table: ScoreTable, examples: np.ndarray, labels: np.ndarray, messages: np.ndarray,
