@@ -158,6 +158,7 @@ class Service:
         self.ready_after: float | None = None
         self.startup_error: str | None = None
         self.state_error: str | None = None  # why session state is not stored on disk, if it is not
+        self.watch_errors: list[dict[str, Any]] = []  # taps scanned for changes, not watched (capd.watcher)
         self.tuning = Tuning(enabled=settings.tune and settings.model != HASH_MODEL)
         if self.tuning.enabled:
             self.tuning.status = "untuned"  # until start() adopts or tunes one
@@ -852,7 +853,7 @@ class Service:
             "embedded": self.counters.embedded,
             "cached": self.counters.cached,
             "errors": [{"file": p.file, "line": p.line, "reason": p.reason} for p in catalog.errors]
-            + self._state_errors(),
+            + self._state_errors() + self.watch_errors,
             "startup_error": self.startup_error,
             "tuning": self.tuning.as_dict(),
         }

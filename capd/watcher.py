@@ -4,6 +4,11 @@ The watchdog handler only records paths. A worker thread waits until no event ha
 arrived for ``debounce`` seconds, then calls ``apply_changes(paths)``, which reloads the
 capability folders those paths belong to (``Service.reload(changed=…)``). Tests call
 ``apply_changes`` directly, or run a real observer end to end.
+
+When the platform's notifications cannot be set up (on Linux: the per-user inotify instance or
+watch limit reached, which editors and other watchers run into), the watcher polls the taps
+instead, every :data:`POLL_INTERVAL` seconds, and says so in the log and in health's ``errors``:
+edits still go live, a little later, and nothing else changes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from watchdog import events
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.polling import PollingObserver
 
 if TYPE_CHECKING:
     from capd.service import Service
@@ -26,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REARM_INTERVAL = 2.0  # seconds between checks that the watches match the taps on disk (a few stat calls)
+POLL_INTERVAL = 2.0  # seconds between scans of the taps when notifications cannot be set up
 
 # Every kind of event the handler records; "opened" and "closed_no_write" are left out so that they
 # stay out of the inotify mask. Reading a large tap (10k capabilities: 30k files) otherwise overflows
@@ -101,6 +108,8 @@ class TapWatcher:
         self._handler: _Queue | None = None
         self._watches: dict[Path, tuple[int, Any]] = {}  # a tap -> its inode and recursive watch
         self._above: dict[Path, tuple[int, Any]] = {}  # the nearest existing folder above a tap -> the same
+        self._observing = threading.Lock()  # an observer is replaced (notifications -> polling) or stopped
+        self.polling = False  # notifications could not be set up: the taps are scanned instead
         self.applied = 0  # batches applied, for tests and metrics
 
     def start(self) -> None:
@@ -113,12 +122,82 @@ class TapWatcher:
         service loads its taps, so nothing written while they load (a fused first start on a
         large tap takes minutes) or just after they are ready is missed."""
         _ignore_rewatch_warning()
-        observer = Observer()
         self._taps = [Path(t).expanduser().absolute() for t in self.service.settings.taps]
         self._handler = _Queue(self, self._taps)
-        self._observer = observer
+        with self._observing:
+            try:
+                self._begin(Observer())  # the inotify watches are in place when this returns
+            except OSError as exc:
+                self._fall_back(exc)
+            except Exception as exc:  # live reload is a convenience, never a reason not to serve
+                log.exception("cannot watch the taps")
+                self._off(exc)
+
+    def _begin(self, observer: Any) -> None:
+        """Watch the taps with ``observer`` (under :attr:`_observing`)."""
+        self._observer, self._watches, self._above = observer, {}, {}
         self._watch_taps()
-        observer.start()  # the inotify watches are in place when this returns
+        observer.start()
+
+    def _fall_back(self, exc: OSError) -> None:
+        """The notifications could not be set up (``exc``): scan the taps instead; if that fails
+        too, serve without live reload. Either way, say so (under :attr:`_observing`)."""
+        self._halt(self._observer)
+        self._observer = None
+        if not self.polling:
+            reason = exc.strerror or str(exc)
+            log.warning("live reload: the taps' file-system notifications could not be set up (%s); scanning them "
+                        "every %g s instead (on Linux, raise fs.inotify.max_user_instances / max_user_watches)",
+                        reason, POLL_INTERVAL)
+            self.polling = True
+            self._note(f"not watched for changes ({reason}); scanned every {POLL_INTERVAL:g} s instead, so edits go "
+                       "live a little later. On Linux, raise fs.inotify.max_user_instances / max_user_watches (sysctl)")
+            try:
+                self._begin(PollingObserver(timeout=POLL_INTERVAL))
+                return
+            except Exception as again:
+                self._off(again)
+                return
+        self._off(exc)
+
+    def _off(self, exc: Exception) -> None:
+        """Serve without live reload, and say so (under :attr:`_observing`)."""
+        self._halt(self._observer)
+        self._observer = None
+        log.error("live reload is off: the taps cannot be watched or scanned (%s)", exc)
+        self._note(f"not watched for changes ({exc}): live reload is off; POST /v1/reload after an edit, or restart")
+
+    def _note(self, reason: str) -> None:
+        """What health's ``errors`` says of every tap while it is not watched."""
+        self.service.watch_errors = [{"file": str(tap), "line": None, "reason": reason} for tap in self._taps]
+
+    @staticmethod
+    def _halt(observer: Any) -> None:
+        """Stop ``observer``, whatever state it was left in (it may never have started)."""
+        if observer is None:
+            return
+        with contextlib.suppress(Exception):
+            observer.unschedule_all()
+        with contextlib.suppress(Exception):
+            observer.stop()
+        if observer.is_alive():
+            observer.join(timeout=5)
+
+    def _rearm(self) -> list[Path]:
+        """:meth:`_watch_taps` from the watcher's thread; a watch the notifications refuse (a tap
+        that appeared after the limit was reached) turns to scanning every tap. Returns the taps
+        watched anew."""
+        with self._observing:
+            if self._stop.is_set() or self._observer is None:
+                return []
+            try:
+                return self._watch_taps()
+            except OSError as exc:
+                if self.polling:
+                    log.warning("live reload: cannot scan the taps: %s", exc)
+                    return []
+                self._fall_back(exc)
+                return [tap for tap in self._taps if tap.is_dir()] if self._observer is not None else []
 
     def apply(self) -> None:
         """Reload what changes touch (those recorded since :meth:`observe` first), once the
@@ -154,9 +233,8 @@ class TapWatcher:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=5)
+        with self._observing:
+            self._halt(self._observer)
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -168,7 +246,7 @@ class TapWatcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             if not self._wake.wait(REARM_INTERVAL):
-                appeared = self._watch_taps()
+                appeared = self._rearm()
                 if appeared:
                     log.info("tap directory appeared: %s", ", ".join(map(str, appeared)))
                     self.notify(appeared)
@@ -180,9 +258,10 @@ class TapWatcher:
             with self._lock:
                 paths, self._pending = self._pending, set()
             if paths and not self._stop.is_set():
-                self._watch_taps()  # first, so nothing written into a re-created tap is missed
+                paths |= set(self._rearm())  # first, so nothing written into a re-created tap is missed
                 self.apply_changes(paths)
-                self._watch_taps()
+                if appeared := self._rearm():
+                    self.notify(appeared)
 
     def apply_changes(self, paths: Iterable[Path]) -> dict[str, Any]:
         """Reload what ``paths`` touched; errors are logged and shown in health, never raised."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import time
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from capd import watcher as watcher_module
 from capd.api import create_app
 from capd.service import Service
 from capd.settings import Settings
@@ -264,3 +267,87 @@ def test_an_edit_made_while_the_daemon_starts_is_applied(tmp_path: Path, monkeyp
     with TestClient(create_app(settings, warm_in_background=False)) as client:
         assert _wait(lambda: "database-mysql" in {c["name"] for c in client.get("/v1/capabilities").json()
                                                   ["capabilities"]})
+
+
+def _refuse_inotify(monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
+    """The kernel refusing inotify as it does once a user's limit is reached (editors and other
+    watchers get there): no new instance (EMFILE) or no new watch (ENOSPC). Faked at the edge,
+    watchdog's ctypes calls, since reaching the real limit would break every other process."""
+    from watchdog.observers import inotify_c
+
+    def refused(code: int) -> Callable[..., int]:
+        def call(*_: object) -> int:
+            ctypes.set_errno(code)
+            return -1
+        return call
+
+    if limit == "instances":
+        monkeypatch.setattr(inotify_c.InotifyFD, "_instance", None)  # else the shared one is reused
+        monkeypatch.setattr(inotify_c, "inotify_init", refused(errno.EMFILE))
+    else:
+        monkeypatch.setattr(inotify_c, "inotify_add_watch", refused(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("limit", ["instances", "watches"])
+def test_without_inotify_the_daemon_scans_the_taps_and_edits_still_go_live(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
+    """The daemon used to stay "starting" for good (every route "skipped: warming up") when the
+    inotify limit was reached, and its shutdown raised. It now scans the taps instead and says so."""
+    _refuse_inotify(monkeypatch, limit)
+    monkeypatch.setattr(watcher_module, "POLL_INTERVAL", 0.25)
+    tap = octomind_tap(tmp_path)
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
+    with TestClient(create_app(settings, warm_in_background=False)) as client:
+        health = client.get("/v1/health").json()
+        assert health["status"] == "ok" and health["ready"]
+        [note] = health["errors"]
+        assert note["file"] == str(tap) and "limit reached" in note["reason"] and "scanned every" in note["reason"]
+        assert client.post("/v1/route", json={"session": "s", "message": "run a query on the postgres database"}
+                           ).json()["decision"] != "skipped"
+        write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
+        assert _wait(lambda: "database-mysql" in {c["name"] for c in client.get("/v1/capabilities").json()
+                                                  ["capabilities"]})
+
+
+def test_a_tap_that_appears_once_the_watch_limit_is_reached_is_scanned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Watched with inotify from the start; the limit is reached before the tap is created. Its
+    watch is refused, and the watcher turns to scanning every tap instead of losing that one."""
+    tap = octomind_tap(tmp_path / "repo")
+    backup = tmp_path / "backup"
+    shutil.copytree(tmp_path / "repo", backup, symlinks=True)
+    shutil.rmtree(tmp_path / "repo")
+    service = Service(Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash"), sessions=True).start()
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        assert not watcher.polling
+        _refuse_inotify(monkeypatch, "watches")
+        monkeypatch.setattr(watcher_module, "POLL_INTERVAL", 0.25)
+        shutil.copytree(backup, tmp_path / "repo", symlinks=True)
+        assert _wait(lambda: len(service.catalog_now()) == 5)
+        assert watcher.polling and "limit reached" in service.health()["errors"][0]["reason"]
+        write_capability(tap, "late-arrival", ["a capability added after the tap came back"])
+        assert _wait(lambda: "late-arrival" in service.catalog_now())
+    finally:
+        watcher.stop()
+
+
+def test_taps_that_can_be_neither_watched_nor_scanned_still_serve(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Live reload is a convenience: when no observer starts at all, the daemon serves the taps as
+    loaded and health says that edits need a reload."""
+    _refuse_inotify(monkeypatch, "instances")
+
+    def refused(self: object) -> None:
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(watcher_module.PollingObserver, "start", refused)
+    tap = octomind_tap(tmp_path)
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
+    with TestClient(create_app(settings, warm_in_background=False)) as client:
+        health = client.get("/v1/health").json()
+        assert health["ready"] and "live reload is off" in health["errors"][0]["reason"]
+        write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
+        assert client.post("/v1/reload").status_code == 200
+        assert "database-mysql" in {c["name"] for c in client.get("/v1/capabilities").json()["capabilities"]}
