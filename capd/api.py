@@ -257,7 +257,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
 
         def warm() -> None:
             nonlocal watcher
-            if watch:  # before the taps load: an edit made while they load is applied once they have
+            if watch and settings.watch != "off":  # before the taps load: edits made meanwhile apply once they have
                 watcher = TapWatcher(service)
                 watcher.observe()
             try:

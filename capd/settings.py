@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "all-minilm-l6-v2"
 BACKENDS = ("auto", "onnx", "torch")
 RULES = ("capd", "anchor", "fused")
+WATCH_MODES = ("auto", "poll", "off")  # live reload: notifications (scanning if they fail), scanning, none
 
 
 def package_root() -> Path:
@@ -92,6 +93,7 @@ class Settings:
     learn: bool = True  # the daemon learns from corrections (capd/learned.py)
     learn_max: int = MAX_PER_CAPABILITY  # learned corrections of each kind kept per capability (the latest)
     tune: bool = False  # route with a copy of the model tuned on the taps' examples (capd/tuning.py)
+    watch: str = "auto"  # live reload of the taps (capd/watcher.py; WATCH_MODES)
     config_file: Path | None = None
 
     def public_dict(self) -> dict[str, Any]:
@@ -298,6 +300,7 @@ _CONVERTERS: dict[str, Callable[[object], object]] = {
     "learn": _as_bool,
     "learn_max": _positive_int,
     "tune": _as_bool,
+    "watch": _choice(WATCH_MODES),
 }
 
 # Environment variable -> setting. DESIGN.md fixes CAPD_TAPS, HOST, PORT, DATA_DIR, CONFIG, MODEL, TOKEN.

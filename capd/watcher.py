@@ -129,7 +129,11 @@ class TapWatcher:
         self._handler = _Queue(self, self._taps)
         with self._observing:
             try:
-                self._begin(Observer())  # the inotify watches are in place when this returns
+                if self.service.settings.watch == "poll":  # taps on a network file system: no notifications
+                    self.polling = True
+                    self._begin(PollingObserver(timeout=self._poll_interval()))
+                else:
+                    self._begin(Observer())  # the inotify watches are in place when this returns
             except OSError as exc:
                 self._fall_back(exc)
             except Exception as exc:  # live reload is a convenience, never a reason not to serve

@@ -49,6 +49,7 @@ def test_taps_env_uses_pathsep(tmp_path: Path) -> None:
         ("port = 'many'\n", "port", "must be an integer"),
         ("colour = 1\n", "colour", "unknown setting"),
         ("backend = 'gpu'\n", "backend", "must be one of"),
+        ("watch = 'inotify'\n", "watch", "must be one of"),
         ("threshold = 3\n", "threshold", "between -1 and 1"),
         ("coverage = -0.2\n", "coverage", "between 0 and 1"),
         ("port = [\n", None, "invalid TOML"),

@@ -351,3 +351,33 @@ def test_taps_that_can_be_neither_watched_nor_scanned_still_serve(tmp_path: Path
         write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
         assert client.post("/v1/reload").status_code == 200
         assert "database-mysql" in {c["name"] for c in client.get("/v1/capabilities").json()["capabilities"]}
+
+
+def test_watch_poll_scans_the_taps_without_notifications(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``watch = "poll"`` (taps on a network file system, where an edit made on another machine
+    raises no notification here): the taps are scanned from the start; no inotify is needed, and
+    since it is what the user asked for, health shows no error."""
+    _refuse_inotify(monkeypatch, "instances")
+    monkeypatch.setattr(watcher_module, "POLL_INTERVAL", 0.25)
+    tap = octomind_tap(tmp_path)
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash", watch="poll")
+    with TestClient(create_app(settings, warm_in_background=False)) as client:
+        assert client.get("/v1/health").json()["errors"] == []
+        write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
+        assert _wait(lambda: "database-mysql" in {c["name"] for c in client.get("/v1/capabilities").json()
+                                                  ["capabilities"]})
+
+
+def test_watch_off_applies_edits_on_reload_only(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash", watch="off")
+    with TestClient(create_app(settings, warm_in_background=False)) as client:
+        write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
+        time.sleep(1.0)  # a watcher would have applied it by now (0.25 s debounce)
+
+        def names() -> set[str]:
+            return {c["name"] for c in client.get("/v1/capabilities").json()["capabilities"]}
+
+        assert "database-mysql" not in names()
+        assert client.post("/v1/reload").json()["added"] == ["database-mysql"]
+        assert "database-mysql" in names()

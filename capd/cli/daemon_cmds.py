@@ -23,7 +23,7 @@ from capd.cli.common import (
     stderr,
 )
 from capd.client import CapdClient, base_url
-from capd.settings import RULES, Settings
+from capd.settings import RULES, WATCH_MODES, Settings
 
 
 def client_for(settings: Settings) -> CapdClient:
@@ -47,9 +47,12 @@ def daemon_options(func: Any) -> Any:
 @click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None)
 @click.option("--rule", type=click.Choice(RULES), default=None)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--watch", type=click.Choice(WATCH_MODES), default=None,
+              help="Live reload: auto (notifications), poll (scan: taps on network file systems) or off. "
+                   "Env: CAPD_WATCH.")
 def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: int | None, uds: Path | None,
           data_dir: Path | None, model: str | None, backend: str | None, rule: str | None,
-          log_level: str | None) -> None:
+          log_level: str | None, watch: str | None) -> None:
     """Run the daemon (HTTP on 127.0.0.1:7171 by default; token from CAPD_TOKEN).
 
     Example: capd serve --tap taps/core
@@ -58,7 +61,7 @@ def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
     from capd.daemon import serve as run
 
     settings = build_settings(config, taps=taps, host=host, port=port, uds=uds, data_dir=data_dir, model=model,
-                              backend=backend, rule=rule, log_level=log_level)
+                              backend=backend, rule=rule, log_level=log_level, watch=watch)
     try:
         run(settings)
     except BindError as exc:
