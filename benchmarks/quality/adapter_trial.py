@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import hashlib
 import itertools
-import json
 import random
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.quality.ranking_trial import measure
-from benchmarks.quality.run import EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, trial_bench
+from benchmarks.quality.run import EVALSETS, LIMITS, RESULTS, SETS, Bench, find_sets, gated, trial_bench, write_report
 from capd import fused
 from capd.autogates import examples_of
 from capd.calibrate import best_point, grid_for, split
@@ -176,8 +175,7 @@ def main(argv: list[str]) -> None:
                 record({"set": evalset.name, "variant": f"adapter {epochs}:{rate:g}:{pull:g} s{seed}", "steps": steps,
                         "seconds": seconds, "drift": round(float(np.linalg.norm(matrix - np.eye(len(matrix)))), 3),
                         **evaluate(adapted, adapted.service(evalset.tap, "fused"), fixtures)})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

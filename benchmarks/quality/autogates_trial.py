@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import shutil
 import sys
 import time
@@ -66,6 +65,7 @@ from benchmarks.quality.run import (
     find_sets,
     gated,
     trial_bench,
+    write_report,
 )
 from capd import autogates, fused
 from capd.calibrate import FUSED_GRID, Grid, Point, best_point, split, sweep
@@ -353,8 +353,7 @@ def main(argv: list[str]) -> None:
               "fewer_folds": folds,
               "results": {s: [{**dict(zip(names, c, strict=True)), **r} for c, r in per.items()]
                           for s, per in results.items()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Writes ``benchmarks/results/calibration_trial.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from functools import partial
 from pathlib import Path
@@ -41,6 +40,7 @@ from benchmarks.quality.run import (
     find_sets,
     gated,
     trial_bench,
+    write_report,
 )
 from capd import calibrate
 from capd.calibrate import Grid, best_point, fit_gates, grid_for, score_variants, split, sweep
@@ -168,8 +168,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         mean = np.mean([r["held_out"]["fired_right"] if r["held_out"] else 0.0 for r in rows])
         print(f"{mode:7s}: held-out within the limits on {sum(r['within_limits'] for r in rows)} of {len(rows)}; "
               f"mean fired_right {mean:.3f} (no feasible point counts as 0)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_report(args.out, report)
     return report
 
 

@@ -18,16 +18,14 @@ table of the top_k calibration chose. Writes ``benchmarks/results/gate_trial.jso
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import EVALSETS, LIMITS, find_sets, gated, trial_bench, trial_parser
-from capd.calibrate import best_point, grid_for, split
+from benchmarks.quality.run import LIMITS, chosen_sets, fit_and_held_out, gated, trial_bench, trial_parser, write_report
+from capd.calibrate import best_point, grid_for
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
-from capd.fixtures import load_fixtures
 from capd.router import Gates
 
 GAP_CAP = 30.0  # a lone capability's gap is inf
@@ -86,16 +84,14 @@ def main(argv: list[str]) -> dict[str, Any]:
     args = parser.parse_args(argv)
     kinds = [int(k) for k in args.features.split(",")]
     strengths = [float(c) for c in args.c.split(",")]
-    found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
+    found, skipped = chosen_sets(args)
     report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
     with trial_bench("gate") as bench:
         for evalset in found:
-            fixtures = load_fixtures(evalset.fixture_files)
-            fit_rows, held_rows = split(fixtures)
-            with bench.fused_service(evalset.tap, fixtures) as (service, vectors, tokens):
-                grid = grid_for("fused")
-                tables = {k: score_table(service.router, fixtures, top_k=k, vectors=vectors, tokens=tokens)
-                          for k in grid.top_ks}
+            with bench.fused_set(evalset) as on:
+                fit_rows, held_rows, grid = on.fit_rows, on.held_rows, grid_for("fused")
+                tables = {k: score_table(on.service.router, on.fixtures, top_k=k, vectors=on.vectors,
+                                         tokens=on.tokens) for k in grid.top_ks}
                 point, _ = best_point({k: t.subset(fit_rows) for k, t in tables.items()}, LIMITS["max_null_fpr"],
                                       LIMITS["max_wrong"], grid)
                 if point is None:
@@ -104,19 +100,17 @@ def main(argv: list[str]) -> dict[str, Any]:
                 shipped = gated(table, held_rows, Gates(point.threshold, point.margin, coverage=point.coverage))
                 report["results"].append({"set": evalset.name, "gate": "calibrated grid", "fit_fired_right":
                                           point.fired_right, "held_out": shipped})
-                print(f"{evalset.name:20s} calibrated grid   fit {point.fired_right:.3f}  held out "
-                      f"{shipped['fired_right']:.3f} / {shipped['fired_wrong']:.3f} / {shipped.get('null_fpr')}",
-                      flush=True)
+                line = fit_and_held_out(point.fired_right, shipped)
+                print(f"{evalset.name:20s} calibrated grid   {line}", flush=True)
                 for kind in kinds:
                     for c in strengths:
                         got = learned_gate(table.subset(fit_rows), table.subset(held_rows), kind, c)
                         name = f"learned f{kind} C={c:g}"
                         report["results"].append({"set": evalset.name, "gate": name, "outcome": got})
-                        print(f"{evalset.name:20s} {name:17s} " + ("no feasible cut" if got is None else
-                              f"fit {got['fit']['fired_right']:.3f}  held out {got['held_out']['fired_right']:.3f} / "
-                              f"{got['held_out']['fired_wrong']:.3f} / {got['held_out']['null_fpr']}"), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+                        line = ("no feasible cut" if got is None
+                                else fit_and_held_out(got["fit"]["fired_right"], got["held_out"]))
+                        print(f"{evalset.name:20s} {name:17s} {line}", flush=True)
+    write_report(args.out, report)
     return report
 
 

@@ -15,7 +15,6 @@ how many corrections were kept, and the most any one capability kept of one kind
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -30,10 +29,10 @@ from benchmarks.quality.run import (
     gated,
     loop_service,
     trial_bench,
+    write_report,
 )
-from capd.calibrate import fit_gates, grid_for, score_variants, split
+from capd.calibrate import fit_gates, grid_for, score_variants
 from capd.evaluation import score_table
-from capd.fixtures import load_fixtures
 
 
 def main(argv: list[str]) -> dict[str, Any]:
@@ -48,10 +47,10 @@ def main(argv: list[str]) -> dict[str, Any]:
     grid = grid_for("fused")
     with trial_bench("learn-max") as bench:
         for evalset in found:
-            fixtures = load_fixtures(evalset.fixture_files)
-            fit_rows, held_rows = split(fixtures)
-            with bench.fused_service(evalset.tap, fixtures) as (service, vectors, tokens):
-                gates = fit_gates(score_variants(service.router, fixtures, vectors, tokens, grid), fit_rows,
+            with bench.fused_set(evalset) as on:
+                fixtures, fit_rows, held_rows = on.fixtures, on.fit_rows, on.held_rows
+                vectors, tokens = on.vectors, on.tokens
+                gates = fit_gates(score_variants(on.service.router, fixtures, vectors, tokens, grid), fit_rows,
                                   grid=grid, **LIMITS).point
             if gates is None:
                 continue
@@ -75,8 +74,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                       f"{after['fired_wrong']:.3f}, null_fpr {after['null_fpr']}, "
                       f"top1 {before['top1']:.3f} -> {after['top1']:.3f}", flush=True)
             bench.learn_max = None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_report(args.out, report)
     return report
 
 

@@ -24,18 +24,16 @@ statistic; the held-out metrics are printed per variant and written to
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import EVALSETS, LIMITS, find_sets, gated, trial_bench, trial_parser
+from benchmarks.quality.run import LIMITS, chosen_sets, fit_and_held_out, gated, trial_bench, trial_parser, write_report
 from capd import fused
 from capd.autogates import examples_of
-from capd.calibrate import best_point, grid_for, split
+from capd.calibrate import best_point, grid_for
 from capd.evaluation import ScoreTable, score_table
-from capd.fixtures import load_fixtures
 
 
 def precision(residuals: np.ndarray, shrinkage: str) -> tuple[np.ndarray, float]:
@@ -99,18 +97,16 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser = trial_parser(__doc__, "mahalanobis_trial")
     parser.add_argument("--shrinkage", default="lw,0.5,0.8", help="lw (Ledoit-Wolf) or fixed shares")
     args = parser.parse_args(argv)
-    found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
+    found, skipped = chosen_sets(args)
     report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
     with trial_bench("mahalanobis") as bench:
         for evalset in found:
-            fixtures = load_fixtures(evalset.fixture_files)
-            fit_rows, held_rows = split(fixtures)
-            with bench.fused_service(evalset.tap, fixtures) as (service, vectors, tokens):
-                router = service.router
+            with bench.fused_set(evalset) as on:
+                router, fit_rows, held_rows, vectors = on.service.router, on.fit_rows, on.held_rows, on.vectors
                 assert router.head is not None
                 examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
                 assert examples is not None
-                table = score_table(router, fixtures, vectors=vectors, tokens=tokens)
+                table = score_table(router, on.fixtures, vectors=vectors, tokens=on.tokens)
                 variants = {"shipped": calibrated(table, fit_rows, held_rows, percentiles=False)}
                 for shrinkage in [s for s in args.shrinkage.split(",") if s]:
                     found_stats = statistics(table, examples.vectors.astype(np.float64), examples.labels,
@@ -120,12 +116,9 @@ def main(argv: list[str]) -> dict[str, Any]:
                         variants[name] = calibrated(variant, fit_rows, held_rows, percentiles=True)
             for name, got in variants.items():
                 report["results"].append({"set": evalset.name, "variant": name, **got})
-                held = got["held_out"]
-                print(f"{evalset.name:20s} {name:13s} " + ("no feasible point" if held is None else
-                      f"fit {got['fit_fired_right']:.3f}  held out {held['fired_right']:.3f} / "
-                      f"{held['fired_wrong']:.3f} / {held.get('null_fpr')}"), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+                print(f"{evalset.name:20s} {name:13s} {fit_and_held_out(got['fit_fired_right'], got['held_out'])}",
+                      flush=True)
+    write_report(args.out, report)
     return report
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import re
 import sys
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import EVALSETS, LIMITS, RESULTS, SETS, find_sets, gated, trial_bench
+from benchmarks.quality.run import EVALSETS, LIMITS, RESULTS, SETS, find_sets, gated, trial_bench, write_report
 from capd import fused
 from capd.autogates import AUTO_FOLDS, Examples, _head, _score, examples_of, folds
 from capd.calibrate import best_point, grid_for, split
@@ -222,8 +221,7 @@ def main(argv: list[str]) -> None:
                           f"{k} {'—' if held[k] is None else round(held[k], 3)}"
                           for k in ("fired_right", "fired_wrong", "null_fpr"))), flush=True)
             router.head = head
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from benchmarks.quality.run import (
     find_sets,
     gated,
     trial_bench,
+    write_report,
 )
 from capd import fused
 from capd.calibrate import best_point, grid_for, split
@@ -79,8 +79,7 @@ def main(argv: list[str]) -> None:
             finally:
                 fused.RESCORE_CANDIDATES = shipped
                 service.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,11 @@ def trial_parser(doc: str, name: str, sets: Sequence[str] = SETS) -> argparse.Ar
     return parser
 
 
+def chosen_sets(args: argparse.Namespace) -> tuple[list[EvalSet], list[str]]:
+    """:func:`find_sets` for a harness's ``--sets`` (comma-separated) among the shared eval sets."""
+    return find_sets([s for s in args.sets.split(",") if s], EVALSETS)
+
+
 def find_sets(names: Sequence[str], evalsets: Path) -> tuple[list[EvalSet], list[str]]:
     """The requested sets that exist, and a note for each one skipped."""
     found, skipped = [], []
@@ -180,14 +185,29 @@ class Bench:
         return [self.token_memo[model, clean_message(f.message, router.min_chars)[0]] for f in fixtures]
 
     @contextmanager
-    def fused_service(self, tap: Path, fixtures: Sequence[Fixture]) -> Iterator[tuple[Service, np.ndarray,
-                                                                                      list[np.ndarray]]]:
-        """A started ``fused`` service on ``tap`` with the fixtures' vectors and token vectors; closed after."""
-        service = self.service(tap, "fused")
+    def fused_set(self, evalset: EvalSet) -> Iterator[FusedSet]:
+        """A started ``fused`` service on the set's tap, with its fixtures, their split and their
+        vectors and token vectors; closed after."""
+        fixtures = load_fixtures(evalset.fixture_files)
+        fit_rows, held_rows = split(fixtures)
+        service = self.service(evalset.tap, "fused")
         try:
-            yield service, self.vectors(service, fixtures), self.tokens(service, fixtures)
+            yield FusedSet(fixtures, fit_rows, held_rows, service, self.vectors(service, fixtures),
+                           self.tokens(service, fixtures))
         finally:
             service.close()
+
+
+@dataclass(frozen=True)
+class FusedSet:
+    """One eval set under the ``fused`` rule (:meth:`Bench.fused_set`)."""
+
+    fixtures: list[Fixture]
+    fit_rows: np.ndarray
+    held_rows: np.ndarray
+    service: Service
+    vectors: np.ndarray
+    tokens: list[np.ndarray]
 
 
 @contextmanager
@@ -199,6 +219,22 @@ def trial_bench(name: str, tuned: bool = False) -> Iterator[Bench]:
     encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
     with tempfile.TemporaryDirectory(prefix=f"capd-{name}-") as scratch:
         yield Bench(encoder, Path(scratch), manifest_info()["gates"], tuned_root=CACHE / "tuned" if tuned else None)
+
+
+def write_report(path: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """A research harness's JSON report, written to ``path`` (its folder made if need be); returns it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def fit_and_held_out(fit_fired_right: float | None, held: dict[str, Any] | None,
+                     missing: str = "no feasible point") -> str:
+    """One harness line: fit fired_right, then held-out fired_right / fired_wrong / null_fpr."""
+    if held is None or fit_fired_right is None:
+        return missing
+    return (f"fit {fit_fired_right:.3f}  held out {held['fired_right']:.3f} / {held['fired_wrong']:.3f} / "
+            f"{held.get('null_fpr')}")
 
 
 def gated(table: ScoreTable, rows: np.ndarray | None, gates: Point | Gates) -> dict[str, Any]:

@@ -12,7 +12,6 @@ encoder. Prints the held-out headline per rule and writes the JSON to
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import CACHE, EVALSETS, RESULTS, SETS, find_sets, measure
+from benchmarks.quality.run import CACHE, EVALSETS, RESULTS, SETS, find_sets, measure, write_report
 from capd.encoder import Encoder, open_encoder
 from capd.models import manifest_for, resolve
 from capd.settings import Settings
@@ -106,8 +105,7 @@ def main(argv: list[str]) -> None:
                 print(f"{evalset.name:20s} {label:8s} {rule:7s} " + " ".join(
                     f"{k}={h.get(k)}" for k in ("top1", "fired_right", "fired_wrong", "null_fpr")), flush=True)
         print(f"{evalset.name}: tuning {entry['tuning']}", flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_report(args.out, report)
 
 
 if __name__ == "__main__":
