@@ -84,6 +84,23 @@ class _Queue(FileSystemEventHandler):
             self.watcher.notify(inside)
 
 
+class _Overflow(logging.Handler):
+    """The kernel's event queue overflowed (tens of thousands of files changed at once, as a
+    checkout of a large tap does): watchdog rebuilds its watches but reports the lost events only
+    as a warning in its log, so which files changed is unknown and every tap is reloaded."""
+
+    LOGGER = "watchdog.observers.inotify_c"  # where watchdog (7.x) logs "Inotify queue overflowed; …"
+
+    def __init__(self, watcher: TapWatcher) -> None:
+        super().__init__(logging.WARNING)
+        self.watcher = watcher
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overflow" in record.getMessage().lower():
+            log.warning("live reload: file-system events were lost; reloading every tap")
+            self.watcher.notify(self.watcher.taps)
+
+
 def _nearest_dir(path: Path) -> Path:
     """``path`` if it is a directory, else its nearest ancestor that is."""
     while not path.is_dir() and path != path.parent:
@@ -113,6 +130,7 @@ class TapWatcher:
         self._above: dict[Path, tuple[int, Any]] = {}  # the nearest existing folder above a tap -> the same
         self._observing = threading.Lock()  # an observer is replaced (notifications -> polling) or stopped
         self.polling = False  # notifications could not be set up: the taps are scanned instead
+        self._overflow = _Overflow(self)
         self.applied = 0  # batches applied, for tests and metrics
 
     def start(self) -> None:
@@ -127,6 +145,10 @@ class TapWatcher:
         _ignore_rewatch_warning()
         self._taps = [Path(t).expanduser().absolute() for t in self.service.settings.taps]
         self._handler = _Queue(self, self._taps)
+        overflow = logging.getLogger(_Overflow.LOGGER)
+        overflow.addHandler(self._overflow)
+        if overflow.getEffectiveLevel() > logging.WARNING:  # --log-level error must not hide it from us
+            overflow.setLevel(logging.WARNING)
         with self._observing:
             try:
                 if self.service.settings.watch == "poll":  # taps on a network file system: no notifications
@@ -183,6 +205,11 @@ class TapWatcher:
         self._observer = None
         log.error("live reload is off: the taps cannot be watched or scanned (%s)", exc)
         self._note(f"not watched for changes ({exc}): live reload is off; POST /v1/reload after an edit, or restart")
+
+    @property
+    def taps(self) -> list[Path]:
+        """The taps watched, as absolute paths."""
+        return list(self._taps)
 
     def _note(self, reason: str) -> None:
         """What health's ``errors`` says of every tap while it is not watched."""
@@ -250,6 +277,7 @@ class TapWatcher:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        logging.getLogger(_Overflow.LOGGER).removeHandler(self._overflow)
         with self._observing:
             self._halt(self._observer)
         if self._thread is not None:

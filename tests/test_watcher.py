@@ -381,3 +381,27 @@ def test_watch_off_applies_edits_on_reload_only(tmp_path: Path) -> None:
         assert "database-mysql" not in names()
         assert client.post("/v1/reload").json()["added"] == ["database-mysql"]
         assert "database-mysql" in names()
+
+
+def test_an_inotify_queue_overflow_reloads_every_tap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tens of thousands of files changed at once overflow the kernel's queue: the events are lost
+    and watchdog only logs it (it rebuilds its watches). A capability written while its events were
+    lost used to stay unseen until its folder changed again; now every tap is reloaded."""
+    from watchdog.observers import inotify_c
+
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        with monkeypatch.context() as lost:  # the events of this write never reach capd
+            lost.setattr(watcher, "notify", lambda paths: None)
+            write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
+            time.sleep(0.5)
+        assert "database-mysql" not in service.catalog_now()
+        # the kernel's IN_Q_OVERFLOW, handed to watchdog's own handling of it
+        overflow = inotify_c.InotifyEvent(inotify_c.WatchDescriptor(-1), inotify_c.InotifyConstants.IN_Q_OVERFLOW,
+                                          0, b"")
+        inotify_c.InotifyFD.get_instance().handle_event(overflow)
+        assert _wait(lambda: "database-mysql" in service.catalog_now())
+    finally:
+        watcher.stop()
