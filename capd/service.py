@@ -365,7 +365,8 @@ class Service:
         routes (``benchmarks/bench_daemon.py``, routing during the edits; README, Performance)."""
         if self._snapshot is None:
             return nullcontext()
-        spare = max(1, len(os.sched_getaffinity(0)) - 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        spare = max(1, cores - 1)  # (sched_getaffinity is Linux's: it counts the cores this process may use)
         pools = {pool["prefix"]: min(pool["num_threads"], spare) for pool in threadpool_info()}
         limits: AbstractContextManager[object] = threadpool_limits(limits=pools)
         return limits
