@@ -122,6 +122,10 @@ class PlanOut(_Out):
 
 
 class FileErrorOut(_Out):
+    """A problem health reports: a tap file that failed to load (with its line when known), a
+    state file capd cannot write (it serves from memory meanwhile), or a tap that live reload
+    scans instead of being notified of its changes."""
+
     file: str
     line: int | None
     reason: str
