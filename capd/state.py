@@ -183,8 +183,12 @@ class SessionStore:
         return conn
 
     def _fail(self, doing: str, exc: BaseException) -> StateError:
-        return StateError(f"{self.path}: cannot {doing} session state: {exc}; make the data directory "
-                          "writable (--data-dir / CAPD_DATA_DIR), or move the file aside to start afresh")
+        if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+            fix = "the file is damaged; capd leaves it as it is: move it aside to start afresh"  # not a database
+        else:  # cannot create, open or write it
+            fix = ("make the data directory writable (--data-dir / CAPD_DATA_DIR), or move the file aside to start "
+                   "afresh")
+        return StateError(f"{self.path}: cannot {doing} session state: {exc}; {fix}")
 
     def _open(self, timeout: float) -> sqlite3.Connection:
         try:

@@ -120,8 +120,10 @@ def test_schema_is_versioned(tmp_path: Path) -> None:
 def test_a_file_that_is_not_a_database(tmp_path: Path) -> None:
     path = tmp_path / FILENAME
     path.write_bytes(b"this is not sqlite" * 100)
-    with pytest.raises(StateError, match=r"sessions\.sqlite3.*move the file aside"):
+    with pytest.raises(StateError, match=r"sessions\.sqlite3.*the file is damaged.*move it aside") as info:
         SessionStore(path)
+    assert "writable" not in str(info.value)  # the directory is fine: the advice is about the file
+    assert path.read_bytes() == b"this is not sqlite" * 100  # left as it is
 
 
 def test_unreadable_rows_are_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
