@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import stat
@@ -24,7 +26,7 @@ from capd.errors import DaemonUnreachable
 from capd.settings import Settings
 from capd.transport import _still_open
 from tests.conftest import isolated_data_dir
-from tests.taputil import octomind_tap
+from tests.taputil import octomind_tap, write_capability
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -389,3 +391,43 @@ def test_an_idle_connection_outlives_uvicorns_five_seconds(daemon_dirs: tuple[Pa
         proc.terminate()
         proc.wait(20)
         client.close()
+
+
+def _inotify_limits_can_be_lowered() -> str | None:
+    """None when a process may lower its own inotify limits: in a user namespace of its own, whose
+    limits (``/proc/sys/user/max_inotify_*``) are its alone. Else why not (no ``unshare``, or user
+    namespaces turned off)."""
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c",
+                            "echo 0 > /proc/sys/user/max_inotify_instances"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"inotify limits cannot be lowered here: {probe.stderr.strip()}"
+
+
+@pytest.mark.parametrize("limit", ["max_inotify_instances", "max_inotify_watches"])
+def test_a_daemon_at_the_kernels_inotify_limit_scans_its_taps(tmp_path: Path, limit: str) -> None:
+    """The kernel's own refusal, not a fake: the daemon runs in a user namespace whose inotify
+    instance (or watch) limit is 0, the rest of the machine keeping its own. It used to stay
+    "starting" for good; it is ready, says in health why its tap is scanned, and an edit goes live."""
+    if (why := _inotify_limits_can_be_lowered()) is not None:
+        pytest.skip(why)
+    tap, port = octomind_tap(tmp_path), _free_port()
+    serve = shlex.join([sys.executable, "-m", "capd", "serve", "--tap", str(tap), "--data-dir", str(tmp_path / "data"),
+                        "--model", "hash", "--port", str(port)])
+    proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "sh", "-c",
+                             f"echo 0 > /proc/sys/user/{limit} && exec {serve}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = CapdClient(f"http://127.0.0.1:{port}")
+    try:
+        _wait_ready(client, proc)
+        [note] = client.health()["errors"]
+        assert note["file"] == str(tap) and "limit reached" in note["reason"], note
+        write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
+        deadline = time.monotonic() + 15
+        while "database-mysql" not in {c["name"] for c in client.capabilities()} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "database-mysql" in {c["name"] for c in client.capabilities()}
+    finally:
+        client.close()
+        proc.terminate()
+        proc.communicate(timeout=10)
