@@ -75,6 +75,11 @@ def sessions_owner(path: Path) -> BinaryIO | None:
     return handle
 
 
+def _shown(problems: Iterable[Problem]) -> list[dict[str, Any]]:
+    """Problems as health's ``errors`` shows them."""
+    return [{"file": p.file, "line": p.line, "reason": p.reason} for p in problems]
+
+
 class Stopping(CapdError):
     """The service was closed while it was starting or publishing."""
 
@@ -158,7 +163,7 @@ class Service:
         self.ready_after: float | None = None
         self.startup_error: str | None = None
         self.state_error: str | None = None  # why session state is not stored on disk, if it is not
-        self.watch_errors: list[dict[str, Any]] = []  # taps scanned for changes, not watched (capd.watcher)
+        self.watch_problems: list[Problem] = []  # taps scanned for changes, or not at all (capd.watcher)
         self.tuning = Tuning(enabled=settings.tune and settings.model != HASH_MODEL)
         if self.tuning.enabled:
             self.tuning.status = "untuned"  # until start() adopts or tunes one
@@ -853,8 +858,7 @@ class Service:
             "triggers": catalog.trigger_count,
             "embedded": self.counters.embedded,
             "cached": self.counters.cached,
-            "errors": [{"file": p.file, "line": p.line, "reason": p.reason} for p in catalog.errors]
-            + self._state_errors() + self.watch_errors,
+            "errors": _shown(catalog.errors) + self._state_errors() + _shown(self.watch_problems),
             "startup_error": self.startup_error,
             "tuning": self.tuning.as_dict(),
         }

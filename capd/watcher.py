@@ -28,6 +28,8 @@ from watchdog.observers import Observer
 from watchdog.observers.polling import PollingObserver
 from watchdog.utils.dirsnapshot import DirectorySnapshot
 
+from capd.catalog import Problem
+
 if TYPE_CHECKING:
     from capd.service import Service
 
@@ -213,7 +215,7 @@ class TapWatcher:
 
     def _note(self, reason: str) -> None:
         """What health's ``errors`` says of every tap while it is not watched."""
-        self.service.watch_errors = [{"file": str(tap), "line": None, "reason": reason} for tap in self._taps]
+        self.service.watch_problems = [Problem("warning", str(tap), reason, code="not-watched") for tap in self._taps]
 
     @staticmethod
     def _halt(observer: Any) -> None:
