@@ -194,7 +194,7 @@ class TapWatcher:
     def _poll_interval(self) -> float:
         """Seconds between scans: :data:`POLL_INTERVAL`, or longer for taps so large that scanning
         them that often would take more than :data:`POLL_SHARE` of a core (one scan of a generated
-        10,000-capability tap, 40,000 files, takes about half a second here)."""
+        10,000-capability tap, 40,000 files, takes 0.4-2.1 s here: ``benchmarks/README.md``)."""
         started = time.perf_counter()
         for tap in self._taps:
             with contextlib.suppress(OSError):
