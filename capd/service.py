@@ -14,7 +14,6 @@ import dataclasses
 import fcntl
 import logging
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,7 +37,7 @@ from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import KINDS, Corrections, LearnedStore
 from capd.live_taps import LiveTaps
 from capd.metrics import Metrics
-from capd.models import HASH_MODEL, manifest_for, resolve
+from capd.models import manifest_for
 from capd.router import (
     Decision,
     GateBook,
@@ -54,7 +53,8 @@ from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore
 from capd.text import clean_message
-from capd.tuning import RECIPE, InUse, Recipe, groups_for, is_tuned, prune, run_child, set_aside, tuned_dir, tuning_key
+from capd.tuner import Tuner, Tuning
+from capd.tuning import InUse, is_tuned, prune, set_aside, tuned_dir
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,6 @@ class Stopping(CapdError):
 
 OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
 LEARN_DELAY = 1.0  # seconds between a recorded correction and routing with it (corrections come in bursts)
-TUNE_DELAY = 30.0  # seconds of quiet after a tap edit before the daemon retunes (edits come in bursts)
 RETIRE_DELAY = 30.0  # seconds an encoder replaced by a tuned one keeps serving requests already holding it
 
 
@@ -110,22 +109,6 @@ class RouteResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.decision.as_dict(), "plan": self.plan.as_dict() if self.plan else None}
-
-
-@dataclass
-class Tuning:
-    """What ``tune = true`` is doing (shown in health as ``tuning``)."""
-
-    enabled: bool = False
-    status: str = "off"  # off | untuned | tuning | ready | stale | failed (README, Tuning the model)
-    key: str | None = None  # the tuned model in use
-    wanted: str | None = None  # the key the current catalog asks for
-    model: str | None = None
-    error: str | None = None
-    seconds: float | None = None  # the last tuning run's training time
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class Service:
@@ -164,18 +147,11 @@ class Service:
         self.startup_error: str | None = None
         self.state_error: str | None = None  # why session state is not stored on disk, if it is not
         self.watch_problems: list[Problem] = []  # taps scanned for changes, or not at all (capd.watcher)
-        self.tuning = Tuning(enabled=settings.tune and settings.model != HASH_MODEL)
-        if self.tuning.enabled:
-            self.tuning.status = "untuned"  # until start() adopts or tunes one
+        self.tuner = Tuner(settings, self.catalog_now, self._use_tuned)
         self._cache: VectorCache | None = None
-        self._tune_timer: threading.Timer | None = None
-        self._tune_thread: threading.Thread | None = None
-        self._tune_child: list[subprocess.Popen[bytes]] = []
-        self._tuning_now: str | None = None  # the key a tuning run in this process is training
         self._holds: list[tuple[Encoder, InUse]] = []  # tuned models in use, with the encoder using each
         self._sessions_owner: BinaryIO | None = None  # see sessions_owner()
         self._closed = False
-        self.tune_recipe: Recipe = RECIPE  # tests use a shorter one
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -203,7 +179,7 @@ class Service:
                 self.learned = LearnedStore.open(self.settings.data_dir, self.settings.learn_max)
             self.reload()
             if self.tuning.enabled:
-                self._ensure_tuned(background=self._want_sessions)
+                self.tuner.ensure(background=self._want_sessions)
         except Exception as exc:
             self.startup_error = str(exc)
             raise
@@ -247,12 +223,9 @@ class Service:
 
     def close(self) -> None:
         self._closed = True
-        for timer in (self._learn_timer, self._tune_timer):
-            if timer is not None:
-                timer.cancel()
-        for child in self._tune_child:
-            if child.poll() is None:
-                child.kill()
+        self.tuner.close()
+        if self._learn_timer is not None:
+            self._learn_timer.cancel()
         if self._snapshot is None:  # still starting: stop its embedding at the next batch, not after them all
             self._close_encoder(self.encoder)
         with self._lock:  # a reload or learning pass already under way finishes before its stores close
@@ -312,8 +285,7 @@ class Service:
             report = self._publish(catalog)
             self.counters.reloads += 1
             if self.tuning.enabled and self.ready_after is not None and self._want_sessions:
-                self._note_wanted(catalog)
-                self._schedule_tuning()
+                self.tuner.catalog_changed(catalog)
         for problem in catalog.errors:
             log.error("tap error: %s", problem)
         self._warn_unknown_pinned(catalog)
@@ -376,22 +348,16 @@ class Service:
         limits: AbstractContextManager[object] = threadpool_limits(limits=pools)
         return limits
 
-    # -- tuning (capd/tuning.py) ------------------------------------------------------------
+    # -- the tuned model (capd/tuner.py decides when) --------------------------------------
 
-    def wanted_key(self, catalog: Catalog) -> str:
-        """The tuned model's key for ``catalog`` (its directory under ``<data>/tuned/``)."""
-        return self._tuning_target(catalog)[0]
-
-    def _tuning_target(self, catalog: Catalog) -> tuple[str, list[tuple[str, list[str]]], Path]:
-        """The tuning key for ``catalog``, its training groups and the base model's directory."""
-        groups = groups_for(catalog)
-        base = resolve(manifest_for(self.settings), self.settings.data_dir)
-        return tuning_key(base.weights_sha256, groups, self.tune_recipe), groups, base.directory
+    @property
+    def tuning(self) -> Tuning:
+        return self.tuner.state
 
     def _adopt_cached_tuning(self, catalog: Catalog) -> None:
         """Before the first publish: switch to the tuned model for ``catalog`` if it is cached
         (one that does not load is set aside, so that start() tunes it again)."""
-        key, _, _ = self._tuning_target(catalog)
+        key = self.tuner.target(catalog).key
         path = tuned_dir(self.settings.data_dir, key)
         if not is_tuned(path):
             return
@@ -400,97 +366,6 @@ class Service:
             set_aside(path, self.tuning.error or "it does not load")
             return
         self._switched(path, key, previous)  # nothing was published with the previous one yet
-
-    def tuned_model(self, catalog: Catalog) -> Path:
-        """The tuned model's directory for ``catalog``, tuned now (blocking) unless cached: for
-        commands that embed without starting a service (``capd index``). Raises ModelError."""
-        key, groups, base = self._tuning_target(catalog)
-        path = tuned_dir(self.settings.data_dir, key)
-        if not is_tuned(path):
-            if len(groups) < 2:
-                raise ModelError("nothing to tune on: fewer than two capabilities with two or more examples")
-            run_child(base, groups, path, self.tune_recipe)
-        return path
-
-    def _note_wanted(self, catalog: Catalog) -> None:
-        """A reload in the daemon: record the key the new catalog asks for, and say ``stale``
-        while the model in use (or being tuned) is for another one (a retune is scheduled)."""
-        try:
-            wanted, _, _ = self._tuning_target(catalog)
-        except Exception as exc:  # the base model vanished: the retune reports it
-            log.warning("cannot compute the tuning key of the new catalog: %s", exc)
-            return
-        self.tuning.wanted = wanted
-        if wanted == self.tuning.key:
-            self.tuning.status = "ready"
-        elif wanted == self._tuning_now:
-            self.tuning.status = "tuning"
-        elif self.tuning.key is not None or self._tuning_now is not None:
-            self.tuning.status = "stale"
-
-    def _ensure_tuned(self, background: bool) -> None:
-        """Route with the tuned model for the current catalog: reuse it if it exists, else tune
-        (in a background thread for the daemon, which keeps serving meanwhile; else blocking)."""
-        key, groups, base = self._tuning_target(self.catalog_now())
-        self.tuning.wanted = key
-        if key == self.tuning.key:
-            self.tuning.status = "ready"
-            return
-        path = tuned_dir(self.settings.data_dir, key)
-        if is_tuned(path):
-            if self._use_tuned(path, key) or self._closed:
-                return
-            if set_aside(path, self.tuning.error or "it does not load") is None:
-                return  # stays failed: tuning again would publish next to the damaged copy
-        if len(groups) < 2:
-            self.tuning.status = "untuned" if self.tuning.key is None else "stale"
-            self.tuning.error = "nothing to tune on: fewer than two capabilities with two or more examples"
-            return
-        if not background:
-            self._tune(base, groups, path, key)
-            return
-        running = self._tune_thread
-        if running is not None and running.is_alive() and running is not threading.current_thread():
-            return  # it re-checks the catalog when it finishes
-        self._tune_thread = threading.Thread(target=self._tune_in_background, args=(base, groups, path, key),
-                                             name="capd-tune", daemon=True)
-        self._tune_thread.start()
-
-    def _tune(self, base: Path, groups: list[tuple[str, list[str]]], path: Path, key: str) -> None:
-        self._tuning_now = key
-        self.tuning.status = "tuning" if key == self.tuning.wanted else "stale"
-        log.info("tuning the model on %d capabilities (%d examples) into %s", len(groups),
-                 sum(len(t) for _, t in groups), path)
-        try:
-            summary = run_child(base, groups, path, self.tune_recipe, started=self._tune_child)
-        except Exception as exc:
-            self.tuning.status, self.tuning.error = "failed", str(exc)
-            log.error("%s", exc)
-            return
-        finally:
-            self._tuning_now = None
-        self.tuning.seconds = summary.get("seconds")
-        if self._closed:
-            return
-        if key != self.tuning.wanted:  # a tap changed while it ran: loading it = an export and a re-embed for nothing
-            log.info("the tuned model %s is no longer wanted (the taps changed meanwhile); not loading it", path)
-            self.tuning.status = "stale" if self.tuning.key is not None else "untuned"
-            return
-        self._use_tuned(path, key)
-
-    def _tune_in_background(self, base: Path, groups: list[tuple[str, list[str]]], path: Path, key: str) -> None:
-        self._tune(base, groups, path, key)
-        timer = self._tune_timer
-        retry = self.tuning.status != "failed" or key != self.tuning.wanted  # a failure of an outdated key too
-        if not self._closed and retry and (timer is None or not timer.is_alive()):
-            self._ensure_tuned(background=True)  # the taps changed while it ran, and the timer already fired
-
-    def _schedule_tuning(self) -> None:
-        if self._tune_timer is not None:
-            self._tune_timer.cancel()
-        self._tune_timer = threading.Timer(TUNE_DELAY, self._ensure_tuned, kwargs={"background": True})
-        self._tune_timer.daemon = True
-        self._tune_timer.start()
 
     def _switch_encoder(self, path: Path, key: str) -> Callable[[], None] | None:
         """Point the encoder, embedder and index at the tuned model in ``path`` (under the lock;
@@ -503,8 +378,7 @@ class Service:
             tuned = open_encoder(dataclasses.replace(self.settings, model=str(path)))
         except Exception as exc:
             hold.release()
-            self.tuning.status, self.tuning.error = "failed", f"cannot load the tuned model {path}: {exc}"
-            log.error("%s", self.tuning.error)
+            self.tuning.failed(f"cannot load the tuned model {path}: {exc}")
             return None
         assert self._cache is not None
         before = (self.encoder, self.embedder, self.index, self.tuning.key, self.tuning.model, self.tuning.status)
@@ -512,8 +386,7 @@ class Service:
         self._holds.append((self.encoder, hold))
         self.embedder = CachedEmbedder(self.encoder, self._cache)
         self.index = TriggerIndex(self.encoder.dim)
-        self.tuning.key, self.tuning.model, self.tuning.error = key, str(path), None
-        self.tuning.status = "ready" if key == self.tuning.wanted or self.tuning.wanted is None else "stale"
+        self.tuning.switched(key, path)
 
         def undo() -> None:
             switched = self.encoder
@@ -556,8 +429,7 @@ class Service:
                 self._publish(self.catalog_now())
             except Exception as exc:
                 undo()
-                self.tuning.status, self.tuning.error = "failed", f"cannot route with the tuned model {path}: {exc}"
-                log.error("%s", self.tuning.error)
+                self.tuning.failed(f"cannot route with the tuned model {path}: {exc}")
                 return False
             self._switched(path, key, previous)
             return True

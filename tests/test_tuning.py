@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import capd.service as service_module
+import capd.tuner as tuner_module
 import capd.tuning as tuning
 from benchmarks.quality.tune_trial import hard_batches
 from capd.cli import main
@@ -31,6 +31,7 @@ from capd.errors import CapdError
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
+from capd.tuner import target_for
 from capd.tuning import MARKER, Batcher, batches, groups_for, is_tuned, pairs, prune, publish, tuned_dir, tuning_key
 from tests.conftest import isolated_data_dir
 from tests.taputil import write_capability
@@ -222,7 +223,7 @@ def test_prune_racing_another_process_neither_warns_nor_stops(tmp_path: Path, mo
 def test_tune_list_shows_the_tuned_models_and_marks_the_taps_own(tmp_path: Path, model_settings: Settings) -> None:
     tap = write_tap(tmp_path / "tap")
     settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(tap,), tune=True)
-    wanted = Service(settings).wanted_key(load_catalog([tap]))
+    wanted = target_for(settings, load_catalog([tap])).key
     for i, key in enumerate(["older", wanted]):
         directory = tuned_dir(settings.data_dir, key)
         directory.mkdir(parents=True)
@@ -308,7 +309,7 @@ def test_a_restart_reuses_the_tuned_model(tuned_service: Service) -> None:
 @pytest.mark.slow
 def test_daemon_serves_while_tuning_then_swaps_and_retunes_after_an_edit(
         model_settings: Settings, real_encoder: Encoder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "TUNE_DELAY", 0.1)
+    monkeypatch.setattr(tuner_module, "TUNE_DELAY", 0.1)
     tap = write_tap(tmp_path / "tap", {n: t[:4] for n, t in TRIGGERS.items()})  # not the module's tap: tunes afresh
     settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(tap,), tune=True)
     service = Service(settings, sessions=True).start()

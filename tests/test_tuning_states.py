@@ -18,12 +18,14 @@ import pytest
 from click.testing import CliRunner
 
 import capd.service as service_module
+import capd.tuner as tuner_module
 from capd.cli import main
 from capd.encoder import Encoder
 from capd.errors import CapdError
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
+from capd.tuner import target_for
 from capd.tuning import MARKER, in_use, is_tuned, remove, tuned_dir
 from tests.conftest import SettingsFactory, isolated_data_dir
 from tests.taputil import write_capability
@@ -63,7 +65,7 @@ def tuned_settings(model_settings: Settings, real_encoder: Encoder, tmp_path: Pa
 
 def wait_idle(service: Service, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while (thread := service._tune_thread) is not None and thread.is_alive():
+    while service.tuner.busy:
         assert time.monotonic() < deadline, "the tuning thread did not finish"
         time.sleep(0.05)
 
@@ -71,13 +73,13 @@ def wait_idle(service: Service, timeout: float = 10.0) -> None:
 def test_a_damaged_tuned_model_is_set_aside_and_tuned_again(tuned_settings: Settings,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     service = Service(tuned_settings)
-    key, _, _ = service._tuning_target(load_catalog(tuned_settings.taps))
+    key = service.tuner.target(load_catalog(tuned_settings.taps)).key
     damaged = tuned_dir(tuned_settings.data_dir, key)
     damaged.mkdir(parents=True)
     (damaged / "config.json").write_text("{not json", encoding="utf-8")
     (damaged / MARKER).write_text("{}", encoding="utf-8")  # marked complete, but no model in it
     trained: list[str] = []
-    monkeypatch.setattr(service_module, "run_child", fake_tuning(trained))
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained))
     service.start()
     try:
         assert service.tuning.status == "ready" and service.tuning.key == key, service.tuning
@@ -90,8 +92,8 @@ def test_a_damaged_tuned_model_is_set_aside_and_tuned_again(tuned_settings: Sett
 
 def test_health_says_untuned_while_starting_and_stale_after_an_edit(tuned_settings: Settings,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "TUNE_DELAY", 60.0)  # the retune stays pending during the test
-    monkeypatch.setattr(service_module, "run_child", fake_tuning([]))
+    monkeypatch.setattr(tuner_module, "TUNE_DELAY", 60.0)  # the retune stays pending during the test
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning([]))
     service = Service(tuned_settings, sessions=True)
     try:
         assert service.health()["tuning"]["status"] == "untuned"  # enabled: never "off"
@@ -109,10 +111,10 @@ def test_health_says_untuned_while_starting_and_stale_after_an_edit(tuned_settin
 
 def test_a_tuning_outdated_by_an_edit_while_it_ran_is_not_loaded(tuned_settings: Settings, real_encoder: Encoder,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "TUNE_DELAY", 60.0)
+    monkeypatch.setattr(tuner_module, "TUNE_DELAY", 60.0)
     gate = threading.Event()
     trained: list[str] = []
-    monkeypatch.setattr(service_module, "run_child", fake_tuning(trained, gate))
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained, gate))
     service = Service(tuned_settings, sessions=True).start()
     try:
         assert service.tuning.status == "tuning"
@@ -135,9 +137,9 @@ def test_a_tuned_model_that_fails_to_publish_leaves_the_served_model_in_place(
     """Publishing with the tuned model can fail after the switch (e.g. it gives non-finite
     vectors): the encoder, embedder and index used to stay switched while the served snapshot
     still routed with the old model, which was closed 30 s later."""
-    monkeypatch.setattr(service_module, "TUNE_DELAY", 60.0)
+    monkeypatch.setattr(tuner_module, "TUNE_DELAY", 60.0)
     gate = threading.Event()
-    monkeypatch.setattr(service_module, "run_child", fake_tuning([], gate))
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning([], gate))
     service = Service(tuned_settings, sessions=True).start()
     try:
         before, publish = service.encoder, service._publish
@@ -162,9 +164,9 @@ def test_a_service_holds_the_tuned_model_it_routes_with_and_lets_go_when_done(
         tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """While a service routes with a tuned model, no other process prunes or removes it; the
     model it switched away from, and the one it had at close, are let go of."""
-    monkeypatch.setattr(service_module, "TUNE_DELAY", 0.05)
+    monkeypatch.setattr(tuner_module, "TUNE_DELAY", 0.05)
     monkeypatch.setattr(service_module, "RETIRE_DELAY", 0.0)
-    monkeypatch.setattr(service_module, "run_child", fake_tuning([]))
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning([]))
     service = Service(tuned_settings, sessions=True).start()
     try:
         wait_idle(service)
@@ -211,9 +213,9 @@ def test_route_says_warming_up_while_the_model_loads(settings_factory: SettingsF
 
 def test_index_stores_the_tuned_models_vectors_when_tuning_is_on(tuned_settings: Settings,
                                                                   real_encoder: Encoder) -> None:
-    key, _, base = Service(tuned_settings)._tuning_target(load_catalog(tuned_settings.taps))
-    path = tuned_dir(tuned_settings.data_dir, key)
-    fake_tuning([])(base, None, path)  # cached: index uses it without tuning
+    target = target_for(tuned_settings, load_catalog(tuned_settings.taps))
+    path = tuned_dir(tuned_settings.data_dir, target.key)
+    fake_tuning([])(target.base, None, path)  # cached: index uses it without tuning
     result = CliRunner().invoke(main, ["index", "--tap", str(tuned_settings.taps[0]), "--data-dir",
                                        str(tuned_settings.data_dir), "--backend", "onnx", "--json"],
                                 env={"CAPD_TUNE": "true"})

@@ -114,12 +114,12 @@ def _tuned_model(settings: Settings, catalog: Catalog) -> Path | None:
     """With ``tune = true``, the tuned model the daemon will route with (tuned now if it is not
     cached), so that its vectors are the ones stored; None when tuning is off."""
     from capd.models import HASH_MODEL
-    from capd.service import Service
+    from capd.tuner import tuned_model
 
     if not settings.tune or settings.model == HASH_MODEL:
         return None
     try:
-        return Path(Service(settings).tuned_model(catalog))
+        return tuned_model(settings, catalog)
     except (CapdError, OSError) as exc:
         raise tuning_not_done(str(exc)) from None
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from capd.cli.common import EXIT_ERROR, Failed, build_settings, emit_json, settings_options
+
+if TYPE_CHECKING:
+    from capd.settings import Settings
 
 
 @click.command()
@@ -41,7 +44,7 @@ def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mod
     settings = dataclasses.replace(build_settings(config, taps=taps, data_dir=data_dir, model=model,
                                                   backend=backend), tune=True)
     if listing:
-        _list(Service(settings), as_json)
+        _list(settings, as_json)
         return
     if remove:
         _remove(settings.data_dir, remove, as_json)
@@ -61,12 +64,12 @@ def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mod
         raise Failed(f"tuning did not complete: {state['error'] or state['status']}", EXIT_ERROR)
 
 
-def _list(service: Any, as_json: bool) -> None:
+def _list(settings: Settings, as_json: bool) -> None:
     from capd.taps import load_catalog
+    from capd.tuner import target_for
     from capd.tuning import listing
 
-    settings = service.settings
-    wanted = service.wanted_key(load_catalog(settings.taps)) if settings.taps else None
+    wanted = target_for(settings, load_catalog(settings.taps)).key if settings.taps else None
     rows = [{**row, "current": row["key"] == wanted} for row in listing(settings.data_dir)]
     if as_json:
         emit_json({"data_dir": str(settings.data_dir), "wanted": wanted, "tuned": rows})

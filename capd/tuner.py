@@ -1,0 +1,200 @@
+"""When a service tunes its model (``tune = true``), and what health says meanwhile.
+
+:mod:`capd.tuning` is how a model is tuned: the recipe, the cache under ``<data>/tuned/<key>/``
+and the child process that trains. This module is when: at the start (blocking for the CLI, in
+a background thread for the daemon, which serves with the untuned model meanwhile) and after
+tap edits (:data:`TUNE_DELAY` seconds of quiet, since edits come in bursts). The service owns
+the switch itself (its encoder, vector index and published router); the tuner hands it a
+finished model's directory through ``use`` and records what happened in :class:`Tuning`.
+
+A tuning run whose catalog changed while it trained is not loaded (loading it would cost an
+export and a re-embed for a model nobody wants); the run for the new catalog follows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from capd.catalog import Catalog
+from capd.errors import ModelError
+from capd.models import HASH_MODEL, manifest_for, resolve
+from capd.settings import Settings
+from capd.tuning import RECIPE, Groups, Recipe, groups_for, is_tuned, run_child, set_aside, tuned_dir, tuning_key
+
+log = logging.getLogger(__name__)
+
+TUNE_DELAY = 30.0  # seconds of quiet after a tap edit before the daemon retunes (edits come in bursts)
+TOO_FEW = "nothing to tune on: fewer than two capabilities with two or more examples"
+
+
+@dataclass
+class Tuning:
+    """What ``tune = true`` is doing (shown in health as ``tuning``)."""
+
+    enabled: bool = False
+    status: str = "off"  # off | untuned | tuning | ready | stale | failed (README, Tuning the model)
+    key: str | None = None  # the tuned model in use
+    wanted: str | None = None  # the key the current catalog asks for
+    model: str | None = None
+    error: str | None = None
+    seconds: float | None = None  # the last tuning run's training time
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def failed(self, error: str) -> None:
+        self.status, self.error = "failed", error
+        log.error("%s", error)
+
+    def switched(self, key: str, model: Path) -> None:
+        """Routing moved to the tuned model ``key`` (``stale`` if the catalog already asks for another)."""
+        self.key, self.model, self.error = key, str(model), None
+        self.status = "ready" if key == self.wanted or self.wanted is None else "stale"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The tuned model a catalog asks for: its key, its training groups and the base model's directory."""
+
+    key: str
+    groups: Groups
+    base: Path
+
+
+def target_for(settings: Settings, catalog: Catalog, recipe: Recipe = RECIPE) -> Target:
+    groups = groups_for(catalog)
+    base = resolve(manifest_for(settings), settings.data_dir)
+    return Target(tuning_key(base.weights_sha256, groups, recipe), groups, base.directory)
+
+
+def tuned_model(settings: Settings, catalog: Catalog, recipe: Recipe = RECIPE) -> Path:
+    """The tuned model's directory for ``catalog``, tuned now (blocking) unless cached: for
+    commands that embed without starting a service (``capd index``). Raises ModelError."""
+    target = target_for(settings, catalog, recipe)
+    path = tuned_dir(settings.data_dir, target.key)
+    if not is_tuned(path):
+        if len(target.groups) < 2:
+            raise ModelError(TOO_FEW)
+        run_child(target.base, target.groups, path, recipe)
+    return path
+
+
+class Tuner:
+    """Keeps a service's model tuned to its catalog. ``use(path, key)`` switches routing to the
+    tuned model in ``path`` and says whether it could (the service's :meth:`~capd.service.Service._use_tuned`)."""
+
+    def __init__(self, settings: Settings, catalog_now: Callable[[], Catalog],
+                 use: Callable[[Path, str], bool]) -> None:
+        self.settings = settings
+        self.state = Tuning(enabled=settings.tune and settings.model != HASH_MODEL)
+        if self.state.enabled:
+            self.state.status = "untuned"  # until the start adopts or tunes one
+        self.recipe: Recipe = RECIPE  # tests use a shorter one
+        self._catalog_now = catalog_now
+        self._use = use
+        self._timer: threading.Timer | None = None
+        self._thread: threading.Thread | None = None
+        self._children: list[subprocess.Popen[bytes]] = []
+        self._training: str | None = None  # the key a tuning run in this process is training
+        self._closed = False
+
+    @property
+    def busy(self) -> bool:
+        """A tuning run is under way in the background thread."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def target(self, catalog: Catalog) -> Target:
+        return target_for(self.settings, catalog, self.recipe)
+
+    def catalog_changed(self, catalog: Catalog) -> None:
+        """A reload in the daemon: record the key the new catalog asks for, say ``stale`` while the
+        model in use (or being tuned) is for another one, and retune after :data:`TUNE_DELAY`."""
+        try:
+            wanted = self.target(catalog).key
+        except Exception as exc:  # the base model vanished: the retune reports it
+            log.warning("cannot compute the tuning key of the new catalog: %s", exc)
+        else:
+            self.state.wanted = wanted
+            if wanted == self.state.key:
+                self.state.status = "ready"
+            elif wanted == self._training:
+                self.state.status = "tuning"
+            elif self.state.key is not None or self._training is not None:
+                self.state.status = "stale"
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(TUNE_DELAY, self.ensure, kwargs={"background": True})
+        self._timer.daemon = True
+        self._timer.start()
+
+    def ensure(self, background: bool) -> None:
+        """Route with the tuned model for the current catalog: reuse it if it exists, else tune
+        (in a background thread for the daemon, which keeps serving meanwhile; else blocking)."""
+        target = self.target(self._catalog_now())
+        key = self.state.wanted = target.key
+        if key == self.state.key:
+            self.state.status = "ready"
+            return
+        path = tuned_dir(self.settings.data_dir, key)
+        if is_tuned(path):
+            if self._use(path, key) or self._closed:
+                return
+            if set_aside(path, self.state.error or "it does not load") is None:
+                return  # stays failed: tuning again would publish next to the damaged copy
+        if len(target.groups) < 2:
+            self.state.status = "untuned" if self.state.key is None else "stale"
+            self.state.error = TOO_FEW
+            return
+        if not background:
+            self._tune(target, path)
+            return
+        if self.busy and self._thread is not threading.current_thread():
+            return  # it re-checks the catalog when it finishes
+        self._thread = threading.Thread(target=self._tune_in_background, args=(target, path), name="capd-tune",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Cancel a pending retune and kill a training child (its half-written model is swept later)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for child in self._children:
+            if child.poll() is None:
+                child.kill()
+
+    def _tune(self, target: Target, path: Path) -> None:
+        key = target.key
+        self._training = key
+        self.state.status = "tuning" if key == self.state.wanted else "stale"
+        log.info("tuning the model on %d capabilities (%d examples) into %s", len(target.groups),
+                 sum(len(texts) for _, texts in target.groups), path)
+        try:
+            summary = run_child(target.base, target.groups, path, self.recipe, started=self._children)
+        except Exception as exc:
+            self.state.failed(str(exc))
+            return
+        finally:
+            self._training = None
+        self.state.seconds = summary.get("seconds")
+        if self._closed:
+            return
+        if key != self.state.wanted:
+            log.info("the tuned model %s is no longer wanted (the taps changed meanwhile); not loading it", path)
+            self.state.status = "stale" if self.state.key is not None else "untuned"
+            return
+        self._use(path, key)
+
+    def _tune_in_background(self, target: Target, path: Path) -> None:
+        self._tune(target, path)
+        timer = self._timer
+        retry = self.state.status != "failed" or target.key != self.state.wanted  # a failure of an outdated key too
+        if not self._closed and retry and (timer is None or not timer.is_alive()):
+            self.ensure(background=True)  # the taps changed while it ran, and the timer already fired
