@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from capd.catalog import Catalog
 from capd.state import set_busy_timeout
 
 log = logging.getLogger(__name__)
@@ -301,6 +302,17 @@ class LearnedStore:
         for entry in self.entries(tap=tap, kind=kind):
             out.setdefault(entry.capability, []).append(entry.message)
         return {name: tuple(messages) for name, messages in out.items()}
+
+    def for_catalog(self, catalog: Catalog, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
+        """capability → learned messages of ``kind``, for the capabilities ``catalog`` serves from
+        the tap they were learned for (a capability now provided by another tap gets none)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for tap in catalog.taps:
+            for name, messages in self.for_tap(tap, kind).items():
+                capability = catalog.get(name)
+                if capability is not None and capability.tap == tap:
+                    out[name] = messages
+        return out
 
     def version(self) -> int | None:
         """The file's ``PRAGMA data_version``: it changes when another connection commits to it

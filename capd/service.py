@@ -5,34 +5,32 @@ the router and — in the daemon — the session registry. Reads go through an i
 snapshot (catalog + router) that a reload replaces in one assignment, so no request ever
 sees half a catalog. Slow work (embedding new triggers) happens before the swap, outside
 the lock; the swap itself only moves cached vectors into the index.
+
+What each publish is fitted with (the fused head, auto gates, the gates in force) is
+:mod:`capd.fits`; when the model is tuned to the taps is :mod:`capd.tuner`. The service keeps
+what ties them together: the lock, the snapshot, the encoder in use (and the switch to a
+tuned one), learning from corrections, routing and health.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from threadpoolctl import threadpool_info, threadpool_limits
-
-from capd.atomic import flocked
-from capd.autogates import Fit as AutoFit
-from capd.autogates import auto_gates, examples_of
 from capd.batching import MicroBatcher
 from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
-from capd.encoder import Embedded, Encoder, TokenVectors, Vectors, open_encoder
+from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import CapdError, ModelError, StateError, UnknownCapability
-from capd.fused import TOKEN_BUDGET, TOP_K, FusedHead, build_head, head_key
+from capd.fits import RuleFits, fitting_threads
+from capd.fused import TOKEN_BUDGET
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
 from capd.learned import KINDS, Corrections, LearnedStore
 from capd.live_taps import LiveTaps
@@ -40,39 +38,19 @@ from capd.metrics import Metrics
 from capd.models import manifest_for
 from capd.router import (
     Decision,
-    GateBook,
-    Gates,
     Router,
     Vetoes,
-    abstain_corpus,
-    build_gatebook,
     example_catalog,
-    taps_set_gates,
 )
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
-from capd.state import SessionStore
+from capd.state import SessionStore, sessions_owner
 from capd.text import clean_message
 from capd.tuner import Tuner, Tuning
 from capd.tuning import InUse, is_tuned, prune, set_aside, tuned_dir
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
-
-
-def sessions_owner(path: Path) -> BinaryIO | None:
-    """Hold ``<sessions file>.owner`` (``flock``) for as long as this daemon serves sessions from
-    ``path``: a second daemon on the data directory finds it held and warns. Each daemon serves its
-    own copy of the sessions (read at its start), so two daemons given the same session id would
-    overwrite each other's; everything else in a data directory is safe to share."""
-    try:
-        handle = flocked(path.with_name(path.name + ".owner"), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return None  # a data directory that cannot be written: the session store says so
-    if handle is None:
-        log.warning("another capd daemon keeps its sessions in %s: sessions are not shared between daemons, so "
-                    "give each daemon its own session ids (or its own --data-dir)", path)
-    return handle
 
 
 def _shown(problems: Iterable[Problem]) -> list[dict[str, Any]]:
@@ -132,12 +110,9 @@ class Service:
         self._clock = clock
         self._lock = threading.RLock()  # serialises reloads
         self._snapshot: Snapshot | None = None
-        self.auto_gates: Point | None = None  # the fused rule's gates fitted on the examples (capd/autogates.py)
-        self._auto_fit: AutoFit | None = None  # and the examples they were fitted on
-        self._corpus_embedded: tuple[str, Embedded] | None = None  # (model id, the abstain corpus embedded)
+        self.fits = RuleFits(settings)
         self._taps = LiveTaps(settings.taps)
         self._tap_errors: list[Problem] = []
-        self._warned_gates: set[tuple[Path, str | None]] = set()  # capd.toml files for another model, logged once
         self.encoder: Encoder | None = None
         self.embedder: CachedEmbedder | None = None
         self.index: TriggerIndex | None = None
@@ -321,10 +296,10 @@ class Service:
             return embedder.embed(texts)[0]
 
         vetoes = Vetoes.build(refused, vectors_of)
-        with self._fitting_threads():
-            head = self._fused_head(fresh.matrices) if rule == "fused" else None
-            self.auto_gates = self._auto_gates(head) if head is not None and self._gated_by_auto(catalog) else None
-        gates = self._gatebook(catalog, self.auto_gates)
+        previous = self._snapshot.router if self._snapshot is not None else None
+        with fitting_threads(replacing=previous is not None):
+            head = self.fits.refit(catalog, self.index, self.encoder, previous, fresh.matrices, self.gate_model)
+        gates = self.fits.gatebook(catalog, self.gate_model)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
@@ -332,21 +307,6 @@ class Service:
         self._snapshot = Snapshot(catalog, router)
         self._learned_version, self._learned_in_use = version, (learned, refused)
         return report
-
-    def _fitting_threads(self) -> AbstractContextManager[object]:
-        """The thread budget for fitting the fused head and its auto gates: every core on a
-        start; while a served snapshot is being replaced (a tap edit, an applied learned
-        correction, a tuned model), one core fewer (at least one thread), which routing keeps
-        for its encode. On this 2-core machine a two-thread fit beside the routes made them 2x
-        slower at p50 and 20x at p99, while the one-thread fit takes ~30% longer when nothing
-        routes (``benchmarks/bench_daemon.py``, routing during the edits; README, Performance)."""
-        if self._snapshot is None:
-            return nullcontext()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        spare = max(1, cores - 1)  # (sched_getaffinity is Linux's: it counts the cores this process may use)
-        pools = {pool["prefix"]: min(pool["num_threads"], spare) for pool in threadpool_info()}
-        limits: AbstractContextManager[object] = threadpool_limits(limits=pools)
-        return limits
 
     # -- the tuned model (capd/tuner.py decides when) --------------------------------------
 
@@ -477,7 +437,7 @@ class Service:
             if snapshot is None or self.learned is None or self._closed:  # a timer that fired as we closed
                 return 0
             self._publish(snapshot.catalog)
-            return sum(len(v) for kind in KINDS for v in self._learned_examples(snapshot.catalog, kind).values())
+            return sum(len(v) for kind in KINDS for v in self.learned.for_catalog(snapshot.catalog, kind).values())
 
     def refresh_learned(self) -> bool:
         """Route with the learned examples as another process left them in ``learned.sqlite3``
@@ -502,112 +462,25 @@ class Service:
 
     def _learned_in_effect(self, catalog: Catalog) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
         """The learned triggers and abstains that routing ``catalog`` uses (none under ``anchor``)."""
-        if self.settings.rule == "anchor":
+        if self.settings.rule == "anchor" or self.learned is None:
             return {}, {}
-        return self._learned_examples(catalog), self._learned_examples(catalog, "abstain")
-
-    def _fused_head(self, fresh: Mapping[str, Vectors] | None = None) -> FusedHead:
-        """The fused rule's head for the index as it now stands (cached in the data directory);
-        ``fresh``: token vectors the index's embedding just produced."""
-        assert self.index is not None and self.embedder is not None and self.encoder is not None
-        names, vectors, labels = self.index.examples()
-        key = head_key(self.embedder.model_id, names, list(self._fingerprints(names).values()))
-        documents = [self.index.triggers(n) for n in names]
-        current = self._snapshot.router if self._snapshot is not None else None
-        previous = (current.head.tokens if current is not None and current.head is not None
-                    and current.encoder.model_id == self.encoder.model_id else None)  # not across a model swap
-        return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
-                          self.encoder.embed_tokens, previous, fresh)
-
-    def _fingerprints(self, names: Sequence[str]) -> dict[str, str]:
-        """Each capability's examples fingerprint in the index (what the head's key and the auto
-        gates' basis are made of), in ``names`` order."""
-        assert self.index is not None
-        return {name: self.index.fingerprint_of(name) or "" for name in names}
-
-    def _gated_by_auto(self, catalog: Catalog) -> bool:
-        """Whether auto gates would gate anything: not when they are off, when the settings give
-        threshold and margin (a coverage gate alone is not fitted; it comes from the settings, a
-        tap's capd.toml or the manifest), or when every tap sets its own fused gates (taps/core
-        does: fitting them anyway cost 4-6 s of its first fused start). A tap added later without
-        gates gets them at that reload."""
-        return self._auto_allowed and not taps_set_gates(catalog, "fused", self.gate_model)
+        return self.learned.for_catalog(catalog), self.learned.for_catalog(catalog, "abstain")
 
     @property
-    def _auto_allowed(self) -> bool:
-        return self.settings.auto_gates and (self.settings.threshold is None or self.settings.margin is None)
+    def auto_gates(self) -> Point | None:
+        """The fused rule's gates fitted on the served examples (None when they gate nothing)."""
+        return self.fits.auto_gates
 
     def fit_auto_gates(self) -> Point | None:
-        """The auto gates of the served examples, fitted now (and cached) if the start skipped them
-        because every tap sets its own: what the taps would get without their ``capd.toml``, which
-        ``capd calibrate`` and ``make quality`` compare against. None when auto gates are off or the
-        rule is not ``fused``."""
-        head = self.router.head
-        if self.auto_gates is not None or head is None or not self._auto_allowed:
-            return self.auto_gates
-        return self._auto_gates(head, install=False)
-
-    def _auto_gates(self, head: FusedHead, install: bool = True) -> Point | None:
-        """The fused gates fitted on the examples (cached by the head's key), logged when fitted."""
-        assert self.index is not None and self.encoder is not None
-        examples = examples_of(self.index, head, self.encoder.embed_tokens)
-        if examples is None:
-            return None
-        encoder = self.encoder
-
-        def embed_corpus(corpus: Sequence[str]) -> Embedded:  # once per model, not per reload
-            if self._corpus_embedded is None or self._corpus_embedded[0] != encoder.model_id:
-                self._corpus_embedded = encoder.model_id, encoder.embed_tokens(corpus)
-            return self._corpus_embedded[1]
-
-        fit = auto_gates(examples, abstain_corpus(), embed_corpus, head.key, self.settings.data_dir / "heads",
-                         encoder.model_id, self._fingerprints(examples.names), self._auto_fit)
-        point = fit.point
-        if not install:
-            return point
-        self._auto_fit = fit
-        if point is not None and point != self.auto_gates:
-            log.info("fused auto gates: threshold %.2f, margin %.2f, coverage %.2f (examples out of fold: "
-                     "fired_right %.2f, fired_wrong %.2f; abstain corpus fired %.2f)", point.threshold, point.margin,
-                     point.coverage, point.fired_right, point.fired_wrong, point.null_fpr)
-        return point
-
-    def _learned_examples(self, catalog: Catalog, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
-        """Learned corrections of ``kind`` of this catalog's capabilities (those recorded for their tap)."""
-        if self.learned is None:
-            return {}
-        out: dict[str, tuple[str, ...]] = {}
-        for tap in catalog.taps:
-            for name, messages in self.learned.for_tap(tap, kind).items():
-                capability = catalog.get(name)
-                if capability is not None and capability.tap == tap:
-                    out[name] = messages
-        return out
-
-    def _gatebook(self, catalog: Catalog, auto: Point | None = None) -> GateBook:
-        """The gates in force: manifest < auto gates (``fused``, :mod:`capd.autogates`) < a tap's
-        ``capd.toml`` < settings."""
-        manifest = manifest_for(self.settings)
-        rule = self.settings.rule
-        overrides = {"threshold": self.settings.threshold, "margin": self.settings.margin,
-                     "top_k": self.settings.top_k, "abstain_corpus": self.settings.abstain_corpus,
-                     "coverage": self.settings.coverage}
-        gates = manifest.gates_for(rule)
-        model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]),
-                            coverage=gates.get("coverage", 0.0))
-        if auto is not None:
-            model_gates = Gates(auto.threshold, auto.margin, TOP_K, coverage=auto.coverage)
-        return build_gatebook(model_gates, catalog, overrides, model=self._gate_model(manifest.name), rule=rule,
-                              warned=self._warned_gates)
-
-    def _gate_model(self, manifest_name: str) -> str:
-        return f"{manifest_name}+tuned" if self.tuning.key is not None else manifest_name
+        """See :meth:`capd.fits.RuleFits.fit_auto_gates`."""
+        return self.fits.fit_auto_gates(self.router)
 
     @property
     def gate_model(self) -> str:
         """The model name gates are recorded for in ``capd.toml``: a tuned model has its own scale,
         so its gates are kept apart (``<manifest>+tuned``) from the untuned model's."""
-        return self._gate_model(manifest_for(self.settings).name)
+        name = manifest_for(self.settings).name
+        return f"{name}+tuned" if self.tuning.key is not None else name
 
     @property
     def router(self) -> Router:

@@ -30,6 +30,7 @@ hands the store immutable :class:`SessionRecord` values to keep.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import sqlite3
@@ -38,8 +39,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, cast
+from typing import Any, BinaryIO, Literal, cast
 
+from capd.atomic import flocked
 from capd.errors import StateError
 
 log = logging.getLogger(__name__)
@@ -360,3 +362,18 @@ class SessionStore:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def sessions_owner(path: Path) -> BinaryIO | None:
+    """Hold ``<sessions file>.owner`` (``flock``) for as long as this daemon serves sessions from
+    ``path``: a second daemon on the data directory finds it held and warns. Each daemon serves its
+    own copy of the sessions (read at its start), so two daemons given the same session id would
+    overwrite each other's; everything else in a data directory is safe to share."""
+    try:
+        handle = flocked(path.with_name(path.name + ".owner"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return None  # a data directory that cannot be written: the session store says so
+    if handle is None:
+        log.warning("another capd daemon keeps its sessions in %s: sessions are not shared between daemons, so "
+                    "give each daemon its own session ids (or its own --data-dir)", path)
+    return handle
