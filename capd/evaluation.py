@@ -21,7 +21,8 @@ import numpy as np
 
 from capd.encoder import TokenVectors
 from capd.fixtures import Fixture
-from capd.router import Router, passes_coverage
+from capd.gates import passes_coverage
+from capd.router import Router
 from capd.text import clean_message
 
 

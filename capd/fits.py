@@ -27,9 +27,10 @@ from capd.calibrate import Point
 from capd.catalog import Catalog
 from capd.encoder import Embedded, Encoder, Vectors
 from capd.fused import TOP_K, FusedHead, build_head, head_key
+from capd.gates import GateBook, Gates, build_gatebook, taps_set_gates
 from capd.index import TriggerIndex
 from capd.models import manifest_for
-from capd.router import GateBook, Gates, Router, abstain_corpus, build_gatebook, taps_set_gates
+from capd.router import Router, abstain_corpus
 from capd.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -18,11 +18,7 @@ Three rules, selectable by name (``Settings.rule`` / ``--rule``):
     the log-odds gap to the runner-up, and ``coverage`` how much of the message the winner's
     examples speak of (a third gate, 0 = off). Sessions and learned corrections behave as with ``capd``.
 
-Gates (threshold, margin, top_k) come from the model manifest, are overridden per tap by
-``<tap>/capd.toml`` (written by ``capd calibrate``; the gates of the winner's tap apply),
-and are overridden by settings (``--threshold`` / ``CAPD_THRESHOLD`` …) above both.
-``anchor`` and ``capd`` share one cosine scale and one set of gates (``[gates]``);
-``fused`` has its own (``[gates.fused]``, with ``coverage``), and always uses k = 3.
+Gates (threshold, margin, coverage) and which are in force for each tap: :mod:`capd.gates`.
 """
 
 from __future__ import annotations
@@ -38,13 +34,13 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 
 from capd import fused
 from capd.batching import aembed, aembed_tokens
-from capd.catalog import Capability, Catalog, TapConfig
+from capd.catalog import Capability, Catalog
 from capd.encoder import Encoder, TokenVectors
 from capd.errors import UnknownCapability
+from capd.gates import GateBook, Gates, gate, not_a_number, shown
 from capd.index import TriggerIndex
 from capd.text import clean_message
 
@@ -53,112 +49,6 @@ log = logging.getLogger(__name__)
 DecisionKind = Literal["activate", "abstain", "already_active", "skipped"]
 RULE_NAMES = ("capd", "anchor", "fused")
 DISCOVER_LIMIT = 5
-
-
-@dataclass(frozen=True)
-class Gates:
-    threshold: float
-    margin: float
-    top_k: int = 3
-    abstain_corpus: bool = False  # veto with the shipped abstain corpus too (:class:`Vetoes`); not for anchor
-    coverage: float = 0.0  # fused only: the winner's coverage must reach it (0: no coverage gate)
-
-    def as_dict(self) -> dict[str, float | int | bool]:
-        return {"threshold": self.threshold, "margin": self.margin, "top_k": self.top_k,
-                "abstain_corpus": self.abstain_corpus, "coverage": self.coverage}
-
-    def covers(self, coverage: float) -> bool:
-        return bool(passes_coverage(coverage, self.coverage))
-
-
-def passes_coverage(coverage: npt.ArrayLike, gate: npt.ArrayLike) -> np.ndarray:
-    """The coverage gate, on one value or element-wise (the router and ``capd eval`` / ``calibrate``
-    share it): off where the gate is 0, and a message without token vectors (NaN) passes."""
-    coverage = np.asarray(coverage, dtype=np.float64)  # float32 statistics compared as the router compares
-    with np.errstate(invalid="ignore"):
-        return np.asarray((np.asarray(gate) <= 0) | np.isnan(coverage) | (coverage >= gate))
-
-
-@dataclass(frozen=True)
-class GateBook:
-    """The gates in force: a default, and per tap where ``capd.toml`` says otherwise."""
-
-    default: Gates
-    by_tap: Mapping[Path, Gates] = field(default_factory=lambda: MappingProxyType({}))
-
-    def for_tap(self, tap: Path | None) -> Gates:
-        return self.by_tap.get(tap, self.default) if tap is not None else self.default
-
-    @property
-    def abstain_corpus(self) -> bool:
-        """Whether any tap's gates veto with the abstain corpus."""
-        return any(g.abstain_corpus for g in (self.default, *self.by_tap.values()))
-
-    def with_abstain_corpus(self, on: bool) -> GateBook:
-        """The same gates with the abstain corpus on (or off) for every tap."""
-        return GateBook(replace(self.default, abstain_corpus=on),
-                        MappingProxyType({t: replace(g, abstain_corpus=on) for t, g in self.by_tap.items()}))
-
-
-def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str, float | int | bool | None],
-                   model: str | None = None, rule: str = "capd",
-                   warned: set[tuple[Path, str | None]] | None = None) -> GateBook:
-    """Manifest < tap ``capd.toml`` < settings overrides (``threshold``, ``margin``, ``top_k``,
-    ``abstain_corpus``, ``coverage``; the last only for ``fused``, the others have no coverage gate).
-
-    ``model_gates`` are the manifest's gates for ``rule``; a tap contributes its gates for
-    that rule (``abstain_corpus`` too, which ``anchor`` ignores). A tap's gates calibrated for
-    another model are ignored (each model has its own cosine scale), with a warning; ``warned``
-    (the caller's, across reloads) holds the (file, model) pairs already warned about.
-    """
-    given = {k: v for k, v in overrides.items() if v is not None}
-    configs = {t: c for t, c in catalog.tap_configs.items() if _calibrated_for(c, model)}
-    for tap, config in catalog.tap_configs.items():
-        if not config.gates_for(rule):
-            continue  # nothing for this rule in the file: nothing ignored, nothing to warn about
-        if tap not in configs and (warned is None or (config.path, config.model) not in warned):
-            log.warning("%s: gates were calibrated for model %s, not %s; using the model's defaults",
-                        config.path, config.model, model)
-            if warned is not None:
-                warned.add((config.path, config.model))
-
-    def apply(base: Gates, values: Mapping[str, float | int | bool]) -> Gates:
-        known = {k: values[k] for k in ("threshold", "margin", "coverage") if k in values}
-        if rule != "fused":
-            known.pop("coverage", None)
-        top_k = int(values["top_k"]) if "top_k" in values else base.top_k
-        corpus = bool(values.get("abstain_corpus", base.abstain_corpus)) and rule != "anchor"
-        return replace(base, **{k: float(v) for k, v in known.items()}, top_k=top_k, abstain_corpus=corpus)
-
-    # One top_k for the whole catalog (scores must be comparable across taps): settings, else the
-    # first tap (in precedence order) whose capd.toml sets it, else the manifest.
-    tap_top_k = next((int(c.gates_for(rule)["top_k"]) for t in catalog.taps if (c := configs.get(t))
-                      and "top_k" in c.gates_for(rule)), None)
-    if tap_top_k is not None and "top_k" not in given:
-        given["top_k"] = tap_top_k
-    if rule == "fused":
-        given["top_k"] = fused.TOP_K
-    default = apply(model_gates, given)
-    by_tap = {tap: apply(apply(model_gates, config.gates_for(rule)), given) for tap, config in configs.items()}
-    return GateBook(default=default, by_tap=MappingProxyType(by_tap))
-
-
-def _calibrated_for(config: TapConfig, model: str | None) -> bool:
-    """A tap's gates apply to ``model`` (None: any) unless they were calibrated for another one."""
-    return model is None or config.model in (None, model)
-
-
-def taps_set_gates(catalog: Catalog, rule: str, model: str | None = None) -> bool:
-    """Whether every tap that provides a capability sets its own threshold and margin for ``rule``
-    in a ``capd.toml`` calibrated for ``model`` (then the model's gates, auto gates included, gate
-    nothing)."""
-    for tap in {capability.tap for capability in catalog}:
-        config = catalog.tap_configs.get(tap)
-        if config is None or not _calibrated_for(config, model):
-            return False
-        if not {"threshold", "margin"} <= config.gates_for(rule).keys():
-            return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -185,42 +75,6 @@ class Decision:
 
 def _rounded(value: float | None) -> float | None:
     return round(value, 4) if value is not None and math.isfinite(value) else None
-
-
-def shown(value: float, gate: float) -> tuple[str, str]:
-    """``value`` and the ``gate`` it missed, with as many decimals as it takes for them to differ
-    in a reason (a 0.0788 margin under 0.08 reads "0.079 below 0.080", not "0.08 below 0.08")."""
-    for digits in (2, 3, 4):
-        pair = f"{value:.{digits}f}", f"{gate:.{digits}f}"
-        if pair[0] != pair[1]:
-            break
-    return pair
-
-
-def gate(ranked: Sequence[tuple[str, float]], gates: Gates) -> tuple[bool, float, str]:
-    """Apply threshold and margin to a ranking; returns (fire, margin, reason).
-
-    Written as ``not value >= gate`` so that a NaN score (a damaged model) fails every gate."""
-    if not ranked:
-        return False, 0.0, "no capability to route to"
-    name, top1 = ranked[0]
-    top2 = ranked[1][1] if len(ranked) > 1 else 0.0
-    margin = top1 - top2
-    if not (math.isfinite(top1) and math.isfinite(margin)):
-        return False, margin, not_a_number(name, top1, margin)
-    if not top1 >= gates.threshold:
-        value, limit = shown(top1, gates.threshold)
-        return False, margin, f"best {value} below threshold {limit}"
-    if not margin >= gates.margin:
-        runner = ranked[1][0]
-        value, limit = shown(margin, gates.margin)
-        return False, margin, f"margin {value} between {name} and {runner} below {limit}"
-    return True, margin, f"{name} {top1:.2f} clears threshold {gates.threshold:.2f} and margin {gates.margin:.2f}"
-
-
-def not_a_number(name: str, score: float, margin: float) -> str:
-    """The reason of an abstain on a score or margin that is NaN or inf (never one that clears)."""
-    return f"{name}'s score ({score}) or margin ({margin}) is not a number: no gate lets it through (a damaged model?)"
 
 
 def example_texts(capability: Capability, rule: str, learned: Sequence[str] = ()) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from capd.encoder import HashEncoder, Vectors
-from capd.router import Decision, GateBook, Gates, Router, build_gatebook, gate
+from capd.gates import GateBook, Gates, build_gatebook, gate
+from capd.router import Decision, Router
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog

@@ -46,7 +46,7 @@ from capd import calibrate
 from capd.calibrate import Grid, best_point, fit_gates, grid_for, score_variants, split, sweep
 from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import load_fixtures
-from capd.router import Gates
+from capd.gates import Gates
 
 MODES = ("plain", "spare", "wilson", "erode")
 

@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks.quality.run import LIMITS, chosen_sets, fit_and_held_out, gated, trial_bench, trial_parser, write_report
 from capd.calibrate import best_point, grid_for
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
-from capd.router import Gates
+from capd.gates import Gates
 
 GAP_CAP = 30.0  # a lone capability's gap is inf
 

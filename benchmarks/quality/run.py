@@ -52,9 +52,9 @@ from capd.calibrate import Point, fit_gates, grid_for, score_variants, split
 from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
+from capd.gates import Gates
 from capd.learned import MAX_PER_CAPABILITY
 from capd.models import manifest_for
-from capd.router import Gates
 from capd.service import Service
 from capd.settings import DEFAULT_MODEL, Settings
 from capd.text import clean_message
