@@ -46,8 +46,8 @@ from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore, sessions_owner
 from capd.text import clean_message
+from capd.tuned_models import InUse, is_tuned, prune, set_aside, tuned_dir
 from capd.tuner import Tuner, Tuning
-from capd.tuning import InUse, is_tuned, prune, set_aside, tuned_dir
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)

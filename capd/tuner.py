@@ -26,7 +26,8 @@ from capd.catalog import Catalog
 from capd.errors import ModelError
 from capd.models import HASH_MODEL, manifest_for, resolve
 from capd.settings import Settings
-from capd.tuning import RECIPE, Groups, Recipe, groups_for, is_tuned, run_child, set_aside, tuned_dir, tuning_key
+from capd.tuned_models import is_tuned, set_aside, tuned_dir
+from capd.tuning import RECIPE, Groups, Recipe, groups_for, run_child, tuning_key
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import capd.tuned_models as tuned_models
 import capd.tuner as tuner_module
-import capd.tuning as tuning
 from benchmarks.quality.tune_trial import hard_batches
 from capd.cli import main
 from capd.encoder import Encoder
@@ -31,8 +31,9 @@ from capd.errors import CapdError
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
+from capd.tuned_models import MARKER, is_tuned, prune, tuned_dir
 from capd.tuner import target_for
-from capd.tuning import MARKER, Batcher, batches, groups_for, is_tuned, pairs, prune, publish, tuned_dir, tuning_key
+from capd.tuning import Batcher, batches, groups_for, pairs, publish, tuning_key
 from tests.conftest import isolated_data_dir
 from tests.taputil import write_capability
 
@@ -141,7 +142,7 @@ def held_elsewhere(directory: Path) -> Iterator[None]:
 HOLDER = """
 import sys, time
 from pathlib import Path
-from capd.tuning import InUse
+from capd.tuned_models import InUse
 hold = InUse(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(60)
@@ -163,36 +164,36 @@ def test_prune_spares_a_model_another_process_routes_with(tmp_path: Path) -> Non
     processes on the data directory removed it from under the daemon."""
     k0, k1, *_ = fake_models(tmp_path, [f"k{i}" for i in range(5)])
     with held_elsewhere(k0):
-        assert tuning.listing(tmp_path)[-1] == {**tuning.listing(tmp_path)[-1], "key": "k0", "in_use": True}
+        assert tuned_models.listing(tmp_path)[-1] == {**tuned_models.listing(tmp_path)[-1], "key": "k0", "in_use": True}
         assert sorted(p.name for p in prune(tmp_path, "k4", retain=2)) == ["k1", "k2"]
         assert is_tuned(k0) and len(list((tmp_path / "onnx").iterdir())) == 3
-    assert not k1.exists() and [r["in_use"] for r in tuning.listing(tmp_path)] == [False] * 3
+    assert not k1.exists() and [r["in_use"] for r in tuned_models.listing(tmp_path)] == [False] * 3
     assert sorted(p.name for p in prune(tmp_path, "k4", retain=2)) == ["k0"]  # let go of: an old model like any
 
 
 def test_letting_go_of_a_model_marks_it_used(tmp_path: Path) -> None:
     k0, _ = fake_models(tmp_path, ["k0", "k1"])
-    hold = tuning.InUse(k0)
+    hold = tuned_models.InUse(k0)
     time.sleep(0.01)
     hold.release()
-    assert [r["key"] for r in tuning.listing(tmp_path)] == ["k0", "k1"]
+    assert [r["key"] for r in tuned_models.listing(tmp_path)] == ["k0", "k1"]
     hold.release()  # twice is harmless
 
 
 def test_remove_takes_a_key_or_its_unique_start_and_refuses_a_model_in_use(tmp_path: Path) -> None:
     fake_models(tmp_path, ["ab12", "ab34", "cd56"])
-    assert tuning.remove(tmp_path, "cd") == tuned_dir(tmp_path, "cd56")
+    assert tuned_models.remove(tmp_path, "cd") == tuned_dir(tmp_path, "cd56")
     assert not tuned_dir(tmp_path, "cd56").exists() and len(list((tmp_path / "onnx").iterdir())) == 2
     with pytest.raises(CapdError, match="names 2 tuned models"):
-        tuning.remove(tmp_path, "ab")
+        tuned_models.remove(tmp_path, "ab")
     for missing in ("cd56", "", "zz", "../tuned"):
         with pytest.raises(CapdError, match="no tuned model"):
-            tuning.remove(tmp_path, missing)
+            tuned_models.remove(tmp_path, missing)
     with held_elsewhere(tuned_dir(tmp_path, "ab12")):
         with pytest.raises(CapdError, match="in use by a running capd process"):
-            tuning.remove(tmp_path, "ab12")
+            tuned_models.remove(tmp_path, "ab12")
         assert is_tuned(tuned_dir(tmp_path, "ab12"))
-    assert tuning.remove(tmp_path, "ab12").name == "ab12"
+    assert tuned_models.remove(tmp_path, "ab12").name == "ab12"
     assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == ["ab34"]  # its lock files went too
 
 
@@ -214,7 +215,7 @@ def test_prune_racing_another_process_neither_warns_nor_stops(tmp_path: Path, mo
             real(path)
         real(path, *args, **kwargs)
 
-    monkeypatch.setattr(tuning.shutil, "rmtree", other_process_first)
+    monkeypatch.setattr(tuned_models.shutil, "rmtree", other_process_first)
     assert sorted(p.name for p in prune(tmp_path, "k0", retain=2)) == ["k1", "k2", "k3"]
     assert beaten == ["k1"] and "cannot remove" not in caplog.text
     assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == ["k0", "k4"]

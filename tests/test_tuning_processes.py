@@ -21,7 +21,8 @@ import pytest
 from capd.errors import ModelError
 from capd.models import manifest_for, resolve
 from capd.settings import Settings
-from capd.tuning import MARKER, Groups, is_tuned, prune, run_child, tuned_dir
+from capd.tuned_models import MARKER, is_tuned, prune, tuned_dir
+from capd.tuning import Groups, run_child
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS: Groups = [("postgres", ["run a SQL query on the database", "show the tables in postgres"]),

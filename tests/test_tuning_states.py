@@ -25,8 +25,8 @@ from capd.errors import CapdError
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
+from capd.tuned_models import MARKER, in_use, is_tuned, remove, tuned_dir
 from capd.tuner import target_for
-from capd.tuning import MARKER, in_use, is_tuned, remove, tuned_dir
 from tests.conftest import SettingsFactory, isolated_data_dir
 from tests.taputil import write_capability
 

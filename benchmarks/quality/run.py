@@ -58,7 +58,7 @@ from capd.models import manifest_for
 from capd.service import Service
 from capd.settings import DEFAULT_MODEL, Settings
 from capd.text import clean_message
-from capd.tuning import MARKER
+from capd.tuned_models import MARKER
 
 ROOT = Path(__file__).resolve().parents[2]
 EVALSETS = ROOT.parent / "shared" / "evalsets"

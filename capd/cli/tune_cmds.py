@@ -66,8 +66,8 @@ def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mod
 
 def _list(settings: Settings, as_json: bool) -> None:
     from capd.taps import load_catalog
+    from capd.tuned_models import listing
     from capd.tuner import target_for
-    from capd.tuning import listing
 
     wanted = target_for(settings, load_catalog(settings.taps)).key if settings.taps else None
     rows = [{**row, "current": row["key"] == wanted} for row in listing(settings.data_dir)]
@@ -87,7 +87,7 @@ def _list(settings: Settings, as_json: bool) -> None:
 
 def _remove(data_dir: Path, names: tuple[str, ...], as_json: bool) -> None:
     from capd.errors import CapdError
-    from capd.tuning import remove
+    from capd.tuned_models import remove
 
     removed, errors = [], []
     for name in names:
