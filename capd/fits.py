@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 def fitting_threads(replacing: bool) -> AbstractContextManager[object]:
     """The thread budget for fitting the fused head and its auto gates: every core on a start;
-    while a served snapshot is being ``replacing``-d (a tap edit, an applied learned correction, a
-    tuned model), one core fewer (at least one thread), which routing keeps for its encode. On a
+    when ``replacing`` a served snapshot (a tap edit, an applied learned correction, a tuned
+    model), one core fewer (at least one thread), which routing keeps for its encode. On a
     2-core machine a two-thread fit beside the routes made them 2x slower at p50 and 20x at p99,
     while the one-thread fit takes ~30% longer when nothing routes (``benchmarks/bench_daemon.py``,
     routing during the edits; benchmarks/README.md)."""
