@@ -430,5 +430,7 @@ class Corrections:
             return latest
 
     def forget_session(self, session: str) -> None:
+        """Drop a session's turns when it ends: an enable in a later session with the same id
+        corrects nothing routed before it."""
         with self._lock:
             self._turns.pop(session, None)

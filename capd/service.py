@@ -150,6 +150,7 @@ class Service:
                                                 ttl=self.settings.session_ttl)
                 self.registry.on_manual = self._on_manual_enable
                 self.registry.on_disable = self._on_manual_disable
+                self.registry.on_end = self.corrections.forget_session  # its turns teach nothing after it
             if self._want_learning:
                 self.learned = LearnedStore.open(self.settings.data_dir, self.settings.learn_max)
             self.reload()

@@ -217,6 +217,9 @@ class SessionRegistry:
         # on_disable(session, name) after a disable that removed an active capability (capd.learned listens).
         self.on_manual: Callable[[str, str], None] | None = None
         self.on_disable: Callable[[str, str], None] | None = None
+        # Called as on_end(session) when a session ends: dropped, swept after ttl, or found idle past
+        # ttl when next used (a session id used again then starts a new conversation).
+        self.on_end: Callable[[str], None] | None = None
 
     @contextmanager
     def locked(self, session: str) -> Iterator[None]:
@@ -278,13 +281,13 @@ class SessionRegistry:
         return plan
 
     @staticmethod
-    def _notify(listener: Callable[[str, str], None] | None, session: str, name: str) -> None:
+    def _notify(listener: Callable[..., None] | None, session: str, *args: str) -> None:
         if listener is None:
             return
         try:
-            listener(session, name)
-        except Exception:  # learning is best effort; the enable or disable itself succeeded
-            log.exception("listener failed for %s in session %s", name, session)
+            listener(session, *args)
+        except Exception:  # learning is best effort; the change to the session itself succeeded
+            log.exception("listener failed for session %s %s", session, " ".join(args))
 
     def reconcile(self, session: str) -> Plan:
         """Apply catalog and settings changes: tear down deleted capabilities, start newly present pinned ones."""
@@ -304,6 +307,7 @@ class SessionRegistry:
             for entry in record.active:
                 change.remove(entry.name)
             self._persist(self.store.delete, session)
+            self._notify(self.on_end, session)
             return change.plan()
 
     # -- other operations --------------------------------------------------------------------------
@@ -339,6 +343,7 @@ class SessionRegistry:
                 record = self.store.get(session)
                 if record is not None and self._idle(record, self._clock()):
                     self._persist(self.store.delete, session)
+                    self._notify(self.on_end, session)
                     expired.append(session)
         if expired:
             log.info("expired %d idle session(s): %s", len(expired), ", ".join(expired))
@@ -366,6 +371,7 @@ class SessionRegistry:
         expired = record is not None and self._idle(record, now)
         if expired:
             log.info("session %s was idle past the ttl: its capabilities are torn down", session)
+            self._notify(self.on_end, session)
         if record is None:
             log.debug("session %s created", session)
             record = SessionRecord(session, now, 0)

@@ -277,6 +277,19 @@ def test_a_manual_enable_after_a_miss_teaches_the_daemon(daemon: TestClient) -> 
     assert MISS not in (CORE / "capabilities" / "docker" / "config.toml").read_text()
 
 
+def test_a_session_id_used_again_after_its_session_ended_learns_nothing_from_before(daemon: TestClient) -> None:
+    """Agents reuse session ids ("default", one per repository): the first enable of a new
+    conversation must not be learned as a correction of the last message of the one before."""
+    service = daemon.app.state.service  # type: ignore[attr-defined]
+    assert daemon.post("/v1/route", json={"session": "a", "message": MISS}).json()["decision"] == "abstain"
+    assert daemon.delete("/v1/sessions/a").status_code == 200
+    assert daemon.post("/v1/sessions/a/enable", json={"name": "docker"}).status_code == 200
+    assert service.learned.entries() == []
+    daemon.post("/v1/route", json={"session": "a", "message": MISS})  # within the new session it still learns
+    daemon.post("/v1/sessions/a/enable", json={"name": "postgres"})
+    assert [(e.capability, e.message) for e in service.learned.entries()] == [("postgres", MISS)]
+
+
 def test_a_disable_right_after_an_activation_teaches_the_daemon_to_abstain(daemon: TestClient) -> None:
     service = daemon.app.state.service  # type: ignore[attr-defined]
     before = daemon.post("/v1/route", json={"session": "a", "message": CHATTER}).json()

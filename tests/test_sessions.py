@@ -484,6 +484,28 @@ def test_a_session_idle_past_ttl_is_gone_when_next_used(make: Make, clock: Clock
     assert [t.capability for t in registry.drop("s1").teardown] == ["docker"]
 
 
+def test_a_session_says_when_it_ends(make: Make, clock: Clock) -> None:
+    """``on_end`` (what forgets a session's turns for learning): dropped, swept after ttl, or found
+    idle past ttl when next used; not while it lives."""
+    registry = make(ttl=100)
+    ended: list[str] = []
+    registry.on_end = ended.append
+    for session in ("dropped", "swept", "resumed"):
+        registry.activate(session, "git")
+    registry.drop("dropped")
+    assert ended == ["dropped"]
+    clock.tick(50)
+    registry.activate("resumed", "docker")
+    assert ended == ["dropped"]
+    clock.tick(60)
+    assert registry.expire() == ["swept"] and ended == ["dropped", "swept"]
+    clock.tick(101)
+    registry.activate("resumed", "git")  # before the sweep: a new conversation under the same id
+    assert ended == ["dropped", "swept", "resumed"]
+    registry.activate("resumed", "docker")
+    assert ended == ["dropped", "swept", "resumed"]
+
+
 def test_unknown_sessions(make: Make) -> None:
     registry = make()
     assert registry.active_names("nobody") == ()
