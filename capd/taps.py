@@ -239,11 +239,6 @@ def _server(check: _Checker, index: int, table: object) -> ServerSpec:
     return ServerSpec.from_table(table)
 
 
-def load_provider(path: Path, root: Path, name: str | None = None) -> Provider:
-    """Parse and validate one provider file."""
-    return _load_provider(path, _Folder(root, path.parent), name)
-
-
 def _load_provider(path: Path, folder: _Folder, name: str | None = None) -> Provider:
     table, text, data = _parse(path, folder.read(path))
     check = _Checker(path, text)

@@ -211,6 +211,3 @@ def fail(message: str, code: int = EXIT_ERROR) -> Failed:
 def stderr(message: str) -> None:
     click.echo(message, err=True)
 
-
-def is_tty() -> bool:
-    return sys.stdout.isatty()
