@@ -121,6 +121,60 @@ def test_broken_files_are_reported_and_skipped(tmp_path: Path) -> None:
     assert by_cap["bad-server"].line == 3
 
 
+# A tap author's schema mistakes: (file, its text, the reason, the line the reason points at).
+SCHEMA_MISTAKES = [
+    ("p.toml", 'deps = "postgres"\n', "deps must be a table", 1),
+    ("p.toml", "[roles]\nmcp = 3\n", "roles.mcp must be a table", 2),
+    ("p.toml", '[roles.mcp]\nserver_refs = "db"\n', "roles.mcp.server_refs must be a list of strings", 2),
+    ("p.toml", '[mcp]\nservers = "db"\n', "mcp.servers must be an array of tables ([[mcp.servers]])", 2),
+    ("p.toml", "[mcp]\nservers = [3]\n", "mcp.servers entry 0 must be a table", 2),
+    ("p.toml", '[[mcp.servers]]\nname = "db"\ncommand = 5\n', "mcp.servers[0].command must be a string", 3),
+    ("p.toml", '[[mcp.servers]]\nname = "db"\nenv = { A = 1 }\n', "mcp.servers[0].env must be a table of strings", 3),
+    ("config.toml", 'triggers = ["a real trigger", "  "]\n', "triggers must not contain empty strings", 1),
+    ("config.toml", 'triggers = ["a real trigger"]\ndescription = 5\n', "description must be a string", 2),
+]
+
+
+@pytest.mark.parametrize(("file", "text", "reason", "line"), SCHEMA_MISTAKES,
+                         ids=[reason.split(" must")[0] for _, _, reason, _ in SCHEMA_MISTAKES])
+def test_a_schema_mistake_names_its_file_line_and_key_and_skips_only_its_capability(
+        tmp_path: Path, file: str, text: str, reason: str, line: int) -> None:
+    tap = octomind_tap(tmp_path)
+    folder = write_capability(tap, "mistaken", ["a real trigger"], {"p": POSTGRES_PROVIDER}, default="p")
+    (folder / file).write_text(text, encoding="utf-8")
+    catalog = load_catalog([tap])
+    (problem,) = catalog.errors
+    assert (problem.capability, problem.reason, problem.line) == ("mistaken", reason, line)
+    assert problem.file == str(folder / file)
+    assert "mistaken" not in catalog and {"smalltalk", "database-postgres"} <= set(catalog.capabilities)
+
+
+def test_a_misspelt_gate_names_the_gates_there_are(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    (tap / "capd.toml").write_text("[gates]\nthresold = 0.5\n")
+    catalog = load_catalog([tap])
+    (problem,) = catalog.errors
+    assert problem.line == 2 and problem.reason.startswith("gates.thresold is not a gate (known: threshold, margin")
+    assert "smalltalk" in catalog  # the tap serves, with the model's gates
+
+
+def test_several_providers_without_a_default_warn_and_use_the_first(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    write_capability(tap, "two-ways", ["two providers, no default"], {"zeta": POSTGRES_PROVIDER,
+                                                                     "alpha": POSTGRES_PROVIDER})
+    catalog = load_catalog([tap])
+    (problem,) = catalog.problems
+    assert (problem.severity, problem.code, problem.reason) == ("warning", "no-default",
+                                                                "no default.toml; using alpha.toml of 2 providers")
+    assert catalog.capabilities["two-ways"].provider.name == "alpha"  # type: ignore[union-attr]
+
+
+def test_a_folder_without_capabilities_is_not_a_tap(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (problem,) = load_catalog([tmp_path / "notes"]).errors
+    assert (problem.code, problem.reason) == ("missing-tap", "not a tap: no capabilities/ directory")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 def test_unreadable_file(tmp_path: Path) -> None:
     tap = octomind_tap(tmp_path)
