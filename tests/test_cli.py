@@ -152,6 +152,30 @@ def test_route_discover_and_forget_reach_the_daemon_given_by_flags(serve: Serve,
     assert json.loads(forgot.stdout) == {"forgotten": 1, "daemon_reloaded": True}
 
 
+def test_route_prints_the_decision_its_reason_the_candidates_and_the_sessions_plan(serve: Serve) -> None:
+    """What a person at a terminal reads (``capd route`` without --json), line by line, against
+    the JSON of the same route in a session in the same state."""
+    port = str(serve(threshold=0.0, margin=0.0, max_active=1))
+    message = "please run a query on the postgres database"
+    winner = json.loads(_capd("route", message, "--port", port, "--json").stdout)["capability"]
+    evicted = "filesystem-write" if winner == "filesystem-read" else "filesystem-read"  # it has a server to stop
+    for session in ("a", "b"):
+        assert _capd("enable", session, evicted, "--port", port).exit_code == 0
+    data = json.loads(_capd("route", message, "--port", port, "--session", "a", "--json").stdout)
+    result = _capd("route", message, "--port", port, "--session", "b")
+    assert result.exit_code == 0, result.output
+    plan = data["plan"]
+    assert data["decision"] == "activate" and plan["teardown"], data
+    assert result.stdout.splitlines() == [
+        f"activate: {winner}  score {data['score']:.3f}  margin {data['margin']:.3f}",
+        f"  {data['reason']}",
+        *[f"    {c['score']:.3f}  {c['name']}" for c in data["candidates"]],
+        *[f"  start {s['server']['name']} for {s['capability']} ({', '.join(s['tools'])})" for s in plan["start"]],
+        *[f"  {'kill' if t['kill'] else 'strip'} {t['server']} for {t['capability']}" for t in plan["teardown"]],
+        f"  active: {winner}"]
+    assert f"kill filesystem for {evicted}" in result.stdout
+
+
 def test_a_forget_reaches_every_daemon_on_the_data_directory_within_seconds(serve: Serve, tmp_path: Path) -> None:
     """`capd learned forget` reloads the daemon at the address it is given. Another daemon sharing the
     data directory (another port) used to route with the forgotten correction until it restarted."""

@@ -395,3 +395,42 @@ def test_floors_errors_name_their_line(tmp_path: Path) -> None:
         floors.write_text(text)
         with pytest.raises(FixtureError, match=rf"floors.toml: line {line}: {re.escape(reason)}"):
             load_floors(tmp_path)
+
+
+def test_a_tap_author_at_a_terminal_reads_what_the_json_says(model_settings: Settings) -> None:
+    """``capd route --explain``, ``capd eval`` and ``capd calibrate`` without --json, on the shipped
+    tap and the real model: each text line says what the same command's JSON says."""
+    core = str(default_taps()[0])
+    where = ["--tap", core, "--data-dir", str(model_settings.data_dir)]
+    fixtures = [arg for name in ("positives", "abstain") for arg in ("--fixtures", f"{core}/fixtures/{name}.jsonl")]
+
+    def run(*args: str) -> str:
+        result = CliRunner().invoke(main, [*args, *where])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    message = "show me the last five commits on main"
+    routed = json.loads(run("route", message, "--explain", "--json"))
+    lines = run("route", message, "--explain").splitlines()
+    assert lines[0].startswith("activate: git  score ") and lines[1] == f"  {routed['reason']}"
+    first = routed["explain"][0]
+    at = lines.index(f"  {first['name']} {first['score']:.3f}")
+    assert lines[at + 1:at + 1 + len(first["triggers"])] == [f"      {t['cosine']:.3f}  {t['text']}"
+                                                             for t in first["triggers"]]
+
+    report = json.loads(run("eval", *fixtures, "--json"))
+    lines = run("eval", *fixtures).splitlines()
+    assert lines[0] == (f"{report['n']} rows ({report['positives']} positives, {report['nulls']} nulls), rule capd, "
+                        f"threshold {report['threshold']:.3f}, margin {report['margin']:.3f}")
+    assert lines[1:5] == [f"  {key:<12}{report[key]:.3f}" for key in ("top1", "fired_right", "fired_wrong", "null_fpr")]
+    assert lines[5] == "per kind:" and len(lines) > 6
+
+    calibrated = json.loads(run("calibrate", *fixtures, "--json"))
+    point = calibrated["recommended"]
+    lines = run("calibrate", *fixtures).splitlines()
+    assert lines[0] == (f"fit on {calibrated['rows']['fit']} rows, checked on {calibrated['rows']['held_out']} "
+                        "held-out rows; limits null_fpr <= 0.05, fired_wrong <= 0.03")
+    assert (f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, margin {point['margin']:.3f}, "
+            f"abstain corpus {'on' if point['abstain_corpus'] else 'off'}") in lines
+    held_out = calibrated["held_out"]
+    assert any(line.startswith(f"  held_out  fired_right {held_out['fired_right']:.3f}") for line in lines)
