@@ -176,6 +176,27 @@ def test_route_prints_the_decision_its_reason_the_candidates_and_the_sessions_pl
     assert f"kill filesystem for {evicted}" in result.stdout
 
 
+def test_list_enable_and_disable_print_the_catalog_and_the_plans(serve: Serve, tmp_path: Path) -> None:
+    port = str(serve(max_active=1))
+    enabled = _capd("enable", "a", "filesystem-read", "--port", port)
+    assert enabled.exit_code == 0, enabled.output
+    assert enabled.stdout.splitlines() == ["start filesystem for filesystem-read (read_file, list_directory)",
+                                           "active: filesystem-read"]
+    swapped = _capd("enable", "a", "filesystem-write", "--port", port)  # max_active 1: read is evicted
+    assert swapped.stdout.splitlines() == [  # the server is shared: read's tools are stripped, it keeps running
+        "start filesystem for filesystem-write (write_file, edit_file)",
+        "strip filesystem for filesystem-read", "active: filesystem-write"]
+    listed = _capd("list", "--session", "a", "--port", port)
+    rows = {line[2:].split()[0]: line for line in listed.stdout.splitlines()}
+    assert set(rows) == {"database-postgres", "filesystem-read", "filesystem-write", "python-toolchain", "smalltalk"}
+    assert rows["filesystem-write"].startswith("* filesystem-write ") and rows["smalltalk"].startswith("  smalltalk ")
+    disabled = _capd("disable", "a", "filesystem-write", "--port", port)
+    assert disabled.stdout == "kill filesystem for filesystem-write\nactive: -\n"
+    in_process = _capd("list", "--tap", str(octomind_tap(tmp_path / "other")))
+    assert in_process.exit_code == 0 and in_process.stdout.splitlines() == [
+        line.replace("*", " ") for line in listed.stdout.splitlines()]
+
+
 def test_a_forget_reaches_every_daemon_on_the_data_directory_within_seconds(serve: Serve, tmp_path: Path) -> None:
     """`capd learned forget` reloads the daemon at the address it is given. Another daemon sharing the
     data directory (another port) used to route with the forgotten correction until it restarted."""

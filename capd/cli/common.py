@@ -211,3 +211,11 @@ def fail(message: str, code: int = EXIT_ERROR) -> Failed:
 def stderr(message: str) -> None:
     click.echo(message, err=True)
 
+
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    """A session plan as ``capd enable`` / ``disable`` / ``route --session`` print it: the servers
+    to start (with the tools to expose), to kill or to strip tools from, and what is active then."""
+    lines = [f"start {i['server']['name']} for {i['capability']} ({', '.join(i['tools'])})" for i in plan["start"]]
+    lines += [f"{'kill' if i['kill'] else 'strip'} {i['server']} for {i['capability']}" for i in plan["teardown"]]
+    lines.append(f"active: {', '.join(plan['active']) or '-'}")
+    return lines

@@ -20,6 +20,7 @@ from capd.cli.common import (
     connection_options,
     daemon_only,
     emit_json,
+    plan_lines,
     stderr,
 )
 from capd.client import CapdClient, base_url
@@ -127,13 +128,6 @@ def list_(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
         click.echo(f"{mark} {row['name']:<28} {row['kind']:<12} {row['description'] or ''}")
 
 
-def _plan_text(plan: dict[str, Any]) -> str:
-    lines = [f"start {i['server']['name']} for {i['capability']} ({', '.join(i['tools'])})" for i in plan["start"]]
-    lines += [f"{'kill' if i['kill'] else 'strip'} {i['server']} for {i['capability']}" for i in plan["teardown"]]
-    lines.append(f"active: {', '.join(plan['active']) or '-'}")
-    return "\n".join(lines)
-
-
 def _plan_command(name: str, summary: str, call: Callable[[CapdClient, str, str], dict[str, Any]]) -> click.Command:
     """``capd enable`` / ``capd disable``: one session change through the daemon, printing the plan."""
 
@@ -149,7 +143,7 @@ def _plan_command(name: str, summary: str, call: Callable[[CapdClient, str, str]
         if as_json:
             emit_json(plan)
         else:
-            click.echo(_plan_text(plan))
+            click.echo("\n".join(plan_lines(plan)))
 
     return command
 

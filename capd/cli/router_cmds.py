@@ -17,6 +17,7 @@ from capd.cli.common import (
     connection_options,
     daemon_only,
     emit_json,
+    plan_lines,
     setting_rule,
     settings_options,
     tap_only,
@@ -60,12 +61,7 @@ def route_text(result: dict[str, Any], explain: list[dict[str, Any]] | None = No
         lines += [f"      {t['cosine']:.3f}  {t['text']}" for t in entry["triggers"]]
     plan = result.get("plan")
     if plan:
-        for item in plan["start"]:
-            lines.append(f"  start {item['server']['name']} for {item['capability']} ({', '.join(item['tools'])})")
-        for item in plan["teardown"]:
-            verb = "kill" if item["kill"] else "strip"
-            lines.append(f"  {verb} {item['server']} for {item['capability']}")
-        lines.append(f"  active: {', '.join(plan['active']) or '-'}")
+        lines += [f"  {line}" for line in plan_lines(plan)]
     return "\n".join(lines)
 
 
