@@ -315,12 +315,12 @@ class Router:
         extra = len(active_set) if self.rule == "anchor" else 0
         ranked = self.rank(vector, max(DISCOVER_LIMIT, 2) + extra)
         candidates = tuple(ranked[:DISCOVER_LIMIT])
+        if not ranked:
+            return Decision("abstain", "no capability to route to", candidates=candidates)
         if self.rule == "anchor":
             ranked = [(n, s) for n, s in ranked if n not in active_set]
             if not ranked:
                 return Decision("abstain", "every capability is already active", candidates=candidates)
-        if not ranked:
-            return Decision("abstain", "no capability to route to", candidates=candidates)
         name, score = ranked[0]
         gates = self._gates_for(name)
         fire, margin, reason = gate(ranked, gates)

@@ -169,3 +169,24 @@ def test_a_message_the_model_gives_nan_for_never_activates(rule: str, settings_f
         poisoned = service.router.route("poison: restart a container")
     assert poisoned.decision == "abstain" and "clears" not in poisoned.reason
     assert "not a number" in poisoned.reason
+
+
+@pytest.mark.parametrize("rule", ["capd", "anchor", "fused"])
+def test_a_tap_without_capabilities_abstains_with_the_reason(settings_factory: SettingsFactory, tmp_path: Path,
+                                                             rule: str) -> None:
+    """A new tap starts empty. The anchor's rule said "every capability is already active" there."""
+    (tmp_path / "empty" / "capabilities").mkdir(parents=True)
+    with closing(Service(settings_factory(taps=(tmp_path / "empty",), rule=rule), sessions=True).start()) as service:
+        decision = service.route("show me the last five commits", "s1").decision
+        assert (decision.decision, decision.reason, decision.candidates) == ("abstain", "no capability to route to", ())
+        assert service.discover("commits") == [] and service.explain("show me the last five commits") == []
+
+
+def test_the_anchors_rule_with_every_capability_active_says_so(settings_factory: SettingsFactory,
+                                                               tmp_path: Path) -> None:
+    tap = docker_and_postgres(tmp_path / "tap")
+    with closing(Service(settings_factory(taps=(tap,), rule="anchor"), sessions=True).start()) as service:
+        for name in ("docker", "postgres"):
+            service.registry.activate("s1", name)  # type: ignore[union-attr]
+        decision = service.route("list the running containers", "s1").decision
+        assert (decision.decision, decision.reason) == ("abstain", "every capability is already active")
