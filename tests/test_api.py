@@ -422,3 +422,23 @@ def test_a_model_failing_while_serving_is_503_not_the_requests_fault(settings_fa
         response = client.post("/v1/route", json={"session": "s", "message": "broken: restart a container"})
         assert (response.status_code, response.json()["error"]) == (503, "model_unavailable"), response.text
         assert client.post("/v1/route", json={"session": "s", "message": "restart a container"}).status_code == 200
+
+
+def test_a_server_spec_with_toml_dates_and_times_is_served_as_iso_strings(settings_factory: SettingsFactory,
+                                                                          tmp_path: Path) -> None:
+    """A server spec passes every key through to the plan, and TOML has dates and times JSON lacks."""
+    provider = ('[[mcp.servers]]\nname = "db"\ncommand = "db-mcp"\nsince = 1979-05-27\nat = 07:32:00\n'
+                'until = 1979-05-27T07:32:00Z\n')
+    tap = tmp_path / "tap"
+    write_capability(tap, "dated", ["a capability whose server has dates"], {"p": provider}, default="p")
+    settings = settings_factory(taps=(tap,))
+    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+        answer = client.post("/v1/sessions/s1/enable", json={"name": "dated"})
+        assert answer.status_code == 200, answer.text
+        server = answer.json()["start"][0]["server"]
+        assert (server["since"], server["at"], server["until"]) == ("1979-05-27", "07:32:00",
+                                                                    "1979-05-27T07:32:00+00:00")
+        assert client.get("/v1/sessions/s1").status_code == 200 and client.get("/v1/capabilities").status_code == 200
+        routed = client.post("/v1/route", json={"session": "s2", "message": "a capability whose server has dates"})
+        assert routed.status_code == 200, routed.text  # the route's own JSON encoder (capd.api._json)
+        assert routed.json()["plan"]["start"][0]["server"]["since"] == "1979-05-27"
