@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup serve test lint bench quality reliability clean
+.PHONY: setup serve test lint coverage bench quality reliability clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ lint: setup
 	$(BIN)/ruff check capd tests benchmarks
 	$(BIN)/mypy
 
+# Line coverage of capd under the whole suite (in-process code only: the daemon and tuning child
+# processes the suite starts are not counted); the table, least covered last, in the terminal.
+coverage: setup
+	$(BIN)/coverage run --source=capd --data-file=.coverage -m pytest -q -p no:randomly
+	$(BIN)/coverage report --data-file=.coverage --sort=cover --skip-covered
+
 bench: setup
 	$(BIN)/python -m benchmarks.run
 
@@ -48,4 +54,4 @@ reliability: setup
 	CAPD_RELIABILITY=full $(BIN)/python -m pytest -m reliability tests/reliability
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage
