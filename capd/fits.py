@@ -29,7 +29,7 @@ from capd.encoder import Embedded, Encoder, Vectors
 from capd.fused import TOP_K, FusedHead, build_head, head_key
 from capd.gates import GateBook, Gates, build_gatebook, taps_set_gates
 from capd.index import TriggerIndex
-from capd.models import manifest_for
+from capd.models import ModelManifest
 from capd.router import Router, abstain_corpus
 from capd.settings import Settings
 
@@ -138,10 +138,10 @@ class RuleFits:
                      point.coverage, point.fired_right, point.fired_wrong, point.null_fpr)
         return point
 
-    def gatebook(self, catalog: Catalog, gate_model: str) -> GateBook:
-        """The gates in force: manifest < auto gates (``fused``) < a tap's ``capd.toml`` < settings."""
+    def gatebook(self, catalog: Catalog, manifest: ModelManifest, gate_model: str) -> GateBook:
+        """The gates in force: ``manifest`` < auto gates (``fused``) < a tap's ``capd.toml`` < settings."""
         settings = self.settings
-        gates = manifest_for(settings).gates_for(settings.rule)
+        gates = manifest.gates_for(settings.rule)
         model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]),
                             coverage=gates.get("coverage", 0.0))
         if self.auto_gates is not None:

@@ -298,9 +298,11 @@ class Service:
 
         vetoes = Vetoes.build(refused, vectors_of)
         previous = self._snapshot.router if self._snapshot is not None else None
+        manifest = manifest_for(self.settings)  # reads the manifest files: once per publish
+        gate_model = self._gate_model(manifest.name)
         with fitting_threads(replacing=previous is not None):
-            head = self.fits.refit(catalog, self.index, self.encoder, previous, fresh.matrices, self.gate_model)
-        gates = self.fits.gatebook(catalog, self.gate_model)
+            head = self.fits.refit(catalog, self.index, self.encoder, previous, fresh.matrices, gate_model)
+        gates = self.fits.gatebook(catalog, manifest, gate_model)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
@@ -480,8 +482,10 @@ class Service:
     def gate_model(self) -> str:
         """The model name gates are recorded for in ``capd.toml``: a tuned model has its own scale,
         so its gates are kept apart (``<manifest>+tuned``) from the untuned model's."""
-        name = manifest_for(self.settings).name
-        return f"{name}+tuned" if self.tuning.key is not None else name
+        return self._gate_model(manifest_for(self.settings).name)
+
+    def _gate_model(self, manifest_name: str) -> str:
+        return f"{manifest_name}+tuned" if self.tuning.key is not None else manifest_name
 
     @property
     def router(self) -> Router:
