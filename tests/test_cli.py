@@ -303,6 +303,19 @@ def test_whitespace_only_intent_finds_nothing_in_process(tmp_path: Path) -> None
     assert json.loads(result.stdout) == {"candidates": []}
 
 
+def test_discover_says_why_it_found_nothing(tmp_path: Path) -> None:
+    """At a terminal an empty list used to print nothing at all."""
+    empty_tap = tmp_path / "empty"
+    (empty_tap / "capabilities").mkdir(parents=True)
+    cases = [(str(octomind_tap(tmp_path)), "<system>only a tag</system>  ",
+              "the intent is empty once tags are removed"),
+             (str(empty_tap), "query a postgres table", "no capability is loaded")]
+    for tap, intent, reason in cases:
+        result = _capd("discover", intent, "--tap", tap, "--model", "hash", "--data-dir", str(tmp_path / "d"))
+        assert result.exit_code == 0, result.output
+        assert result.stdout == "" and result.stderr == f"no candidates: {reason}\n"
+
+
 # -- capd index with a data directory that cannot be written ------------------------------------------------
 
 def test_index_that_stored_nothing_says_so_first_and_fails(tmp_path: Path) -> None:

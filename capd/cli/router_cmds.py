@@ -26,6 +26,7 @@ from capd.cli.common import (
 )
 from capd.cli.daemon_cmds import client_for
 from capd.settings import RULES, Settings
+from capd.text import clean_message
 
 
 def _service(settings: Settings) -> Any:
@@ -89,6 +90,10 @@ def discover(intent: str, config: Path | None, taps: tuple[Path, ...], data_dir:
             candidates = client.discover(intent, limit)
     if as_json:
         emit_json({"candidates": candidates})
+    elif not candidates:  # say why rather than print nothing (stderr: stdout stays the list, empty)
+        empty = not clean_message(intent, 0)[0]
+        click.echo("no candidates: " + ("the intent is empty once tags are removed" if empty
+                                        else "no capability is loaded"), err=True)
     else:
         for candidate in candidates:
             click.echo(f"{candidate['score']:.3f}  {candidate['name']}")
