@@ -1,8 +1,9 @@
 """Research harness for the fused rule's ranking inputs: lexical weight, common words, head features.
 
 Run: ``.venv/bin/python -m benchmarks.quality.ranking_trial [--sets a,b] [--lexical 0,0.005,0.01,0.02]
-[--common 0,1000,3000] [--layers "6;4,5,6"] [--head-c 20,100] [--augment 2:0.15,4:0.15]`` (about 4
-minutes for every set with the default variants; ``--head-c`` and ``--augment`` add about a minute).
+[--common 0,1000,3000] [--layers "6;4,5,6"] [--head-c 20,100] [--augment 2:0.15,4:0.15]
+[--hubness other:0.5,corpus:0.5]`` (about 4 minutes for every set with the default variants;
+``--head-c``, ``--augment`` and ``--hubness`` add about a minute each).
 
 Per set, the shipped fused rule first, then each variant on its own (the others as shipped):
 
@@ -20,6 +21,11 @@ Per set, the shipped fused rule first, then each variant on its own (the others 
 - ``--augment N:P``: the head also fitted on N copies of each example of three words or more with
   each word dropped with probability P (seeded; copies equal to the example are left out), an
   "easy data augmentation" for a head that has few examples per capability.
+- ``--hubness S:λ``: each example's cosine to the message lowered by λ times its *hubness* before
+  the nearest-example term takes its top-3 mean (as CSLS does for cross-lingual retrieval): how
+  close the example sits to what it should not attract, the mean of its top-3 cosines to the other
+  capabilities' examples (S = ``other``) or to the abstain corpus (S = ``corpus``), centred on the
+  tap's mean. Only the ranking changes; the level gate still reads the plain cosines.
 
 Reports top1 on the fit and held-out positives and the held-out metrics at the gates calibrated on
 the fit part (as ``make quality`` does), and writes ``benchmarks/results/ranking_trial.json``.
@@ -45,7 +51,9 @@ from capd.calibrate import best_point, grid_for, split
 from capd.encoder import TokenVectors
 from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import load_fixtures
+from capd.index import segment_topk_mean
 from capd.models import manifest_for, resolve
+from capd.router import abstain_corpus
 from capd.settings import Settings
 
 
@@ -97,6 +105,41 @@ class LayerHead(fused.FusedHead):
               tokens: TokenVectors | None = None) -> fused.Scores:
         assert self.features is not None
         return super().score(knn, self.features(list(texts)), texts, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class HubnessHead(fused.FusedHead):
+    """A fused head whose nearest-example term discounts each example by its hubness ``penalty``."""
+
+    examples: np.ndarray | None = None  # [E, dim] unit rows, grouped by capability
+    labels: np.ndarray | None = None  # [E]
+    penalty: np.ndarray | None = None  # [E]
+
+    def score(self, knn: fused.Floats, vectors: fused.Floats, texts: Sequence[str],
+              tokens: TokenVectors | None = None) -> fused.Scores:
+        assert self.examples is not None and self.labels is not None and self.penalty is not None
+        discounted = np.asarray(vectors @ self.examples.T, dtype=np.float32) - self.penalty
+        scores = super().score(nearest_mean(discounted, self.labels, len(self.names)), vectors, texts, tokens)
+        return dataclasses.replace(scores, level=np.asarray(knn - self.in_class, dtype=np.float32))
+
+
+def nearest_mean(sims: np.ndarray, labels: np.ndarray, columns: int) -> np.ndarray:
+    """Per capability the mean of its top-k values in ``sims [n, E]`` (-1 without examples)."""
+    out = np.full((len(sims), columns), -1.0, dtype=np.float32)
+    present, starts, counts = np.unique(labels, return_index=True, return_counts=True)
+    out[:, present] = segment_topk_mean(sims, starts, counts, fused.TOP_K)
+    return out
+
+
+def hubness(examples: Examples, against: np.ndarray | None) -> np.ndarray:
+    """Each example's mean top-3 cosine to ``against`` (None: the other capabilities' examples), centred."""
+    if against is None:
+        sims = examples.vectors @ examples.vectors.T
+        sims[examples.labels[:, None] == examples.labels[None, :]] = -np.inf
+    else:
+        sims = examples.vectors @ against.T
+    top = np.sort(sims, axis=1)[:, -fused.TOP_K:].mean(axis=1)
+    return np.asarray(top - top.mean(), dtype=np.float32)
 
 
 def out_of_fold_top1(examples: Examples, weights: Sequence[float]) -> dict[float, float]:
@@ -154,6 +197,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--layers", default="4,5,6;3,4,5,6", help="';'-separated layer lists for the head")
     parser.add_argument("--head-c", default="", help="the head's C values (shipped 10)")
     parser.add_argument("--augment", default="", help="copies:drop-rate pairs, e.g. 2:0.15,4:0.15")
+    parser.add_argument("--hubness", default="", help="source:lambda pairs, source other or corpus, e.g. other:0.5")
     parser.add_argument("--out", type=Path, default=RESULTS / "ranking_trial.json")
     args = parser.parse_args(argv)
     lexical = [float(w) for w in args.lexical.split(",") if w]
@@ -161,6 +205,9 @@ def main(argv: list[str]) -> None:
     layer_sets = [tuple(int(x) for x in group.split(",")) for group in args.layers.split(";") if group]
     head_cs = [float(c) for c in args.head_c.split(",") if c]
     augments = [(int(n), float(p)) for n, p in (pair.split(":") for pair in args.augment.split(",") if pair)]
+    hubs = [(source, float(lam)) for source, lam in (pair.split(":") for pair in args.hubness.split(",") if pair)]
+    if any(source not in ("other", "corpus") for source, _ in hubs):
+        parser.error("--hubness sources are other and corpus")
     directory = model_directory()
     vocabulary = common_words(directory)
     layer_features = LayerFeatures(directory) if layer_sets else None
@@ -209,6 +256,12 @@ def main(argv: list[str]) -> None:
                                               np.concatenate([examples.labels, labels]), len(examples.names))
                 variants.append((f"augment {copies}x{rate:g}", dataclasses.replace(head, weight=weight, bias=bias),
                                  None))
+            corpus = router.encoder.embed(list(abstain_corpus())) if hubs else None
+            for source, lam in hubs:
+                fields = {f.name: getattr(head, f.name) for f in dataclasses.fields(fused.FusedHead)}
+                penalty = lam * hubness(examples, None if source == "other" else corpus)
+                variants.append((f"hubness {source} {lam:g}", HubnessHead(
+                    **fields, examples=examples.vectors, labels=examples.labels, penalty=penalty), None))
             for label, variant, oof_top1 in variants:
                 router.head = variant
                 entry = {"set": evalset.name, "variant": label, "oof_top1": oof_top1,
