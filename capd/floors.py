@@ -11,17 +11,28 @@
     [floors.kinds]          # minimum share of rows of that kind decided right
     chitchat = 0.95         # (fired an expected capability, or abstained on a null)
 
+    [floors.fused]          # for one rule (capd, anchor or fused): replaces the floors it names
+    min_fired_right = 0.80
+
+    [floors.fused.kinds]    # and the kinds it names (the others stay as above)
+    chitchat = 0.90
+
+Rules route at different levels, so a tap can hold each to its own: ``capd test --rule fused``
+checks ``[floors]`` with ``[floors.fused]`` laid over it, key by key. Every rule's table is
+checked whichever rule runs, so a mistake in one fails at once, not when someone switches rule.
 A tap with fixtures but no floors file is checked against nothing and reported as such.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
 from capd.errors import FixtureError, TapFileError
+from capd.settings import RULES
 from capd.taps import _line_of, parse_toml
 
 FLOORS_FILE = "floors.toml"
@@ -35,9 +46,69 @@ class Floors:
     minima: dict[str, float] = field(default_factory=dict)  # metric -> lowest allowed
     maxima: dict[str, float] = field(default_factory=dict)  # metric -> highest allowed
     kinds: dict[str, float] = field(default_factory=dict)  # kind -> lowest accuracy
+    rule: str | None = None  # the rule whose own table was laid over [floors], if the file has one
 
 
-def load_floors(tap: Path) -> Floors:
+def _key_line(text: str, section: str, key: str) -> int | None:
+    """The line of ``key = …`` inside the ``[section]`` table, else of ``[section.key]``, else of the
+    section's header (best effort, for error messages)."""
+    header = re.compile(rf"^[ \t]*\[\s*{re.escape(section)}\s*\]", re.M).search(text)
+    if header is not None:
+        following = re.compile(r"^[ \t]*\[", re.M).search(text, header.end())
+        body_end = following.start() if following else len(text)
+        entry = re.compile(rf"^[ \t]*[\"']?{re.escape(key)}[\"']?\s*=", re.M).search(text, header.end(), body_end)
+        if entry is not None:
+            return text.count("\n", 0, entry.start()) + 1
+    table = re.compile(rf"^[ \t]*\[\s*{re.escape(section)}\.{re.escape(key)}\s*\]", re.M).search(text)
+    if table is not None:
+        return text.count("\n", 0, table.start()) + 1
+    return None if header is None else text.count("\n", 0, header.start()) + 1
+
+
+class _Reader:
+    """Checks one floors table (``[floors]`` or ``[floors.<rule>]``) and collects its bounds."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self.path, self.text = path, text
+
+    def fail(self, section: str, key: str, reason: str) -> FixtureError:
+        return FixtureError(self.path, reason, _key_line(self.text, section, key))
+
+    def fraction(self, section: str, key: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise self.fail(section, key, f"{section}.{key} must be a number between 0 and 1")
+        return float(value)
+
+    def table(self, section: str, values: dict[str, Any], rules: bool) -> tuple[Floors, dict[str, Floors]]:
+        """The bounds of ``[section]`` and, where ``rules``, of each ``[section.<rule>]`` in it."""
+        minima: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        kinds: dict[str, float] = {}
+        per_rule: dict[str, Floors] = {}
+        for key, value in values.items():
+            if key == "kinds":
+                if not isinstance(value, dict):
+                    raise self.fail(section, key, f"[{section}.kinds] must be a table of kind = minimum accuracy")
+                kinds = {k: self.fraction(f"{section}.kinds", k, v) for k, v in value.items()}
+            elif key in _MINIMA:
+                minima[_MINIMA[key]] = self.fraction(section, key, value)
+            elif key in _MAXIMA:
+                maxima[_MAXIMA[key]] = self.fraction(section, key, value)
+            elif rules and key in RULES:
+                if not isinstance(value, dict):
+                    raise self.fail(section, key, f"[{section}.{key}] must be a table of floors for the {key} rule")
+                per_rule[key] = self.table(f"{section}.{key}", value, rules=False)[0]
+            else:
+                known = ", ".join([*_MINIMA, *_MAXIMA, "kinds"])
+                also = f"; or a rule's own table: {', '.join(RULES)}" if rules else ""
+                raise self.fail(section, key, f"{section}.{key}: unknown floor (known: {known}{also})")
+        return Floors(self.path, minima, maxima, kinds), per_rule
+
+
+def load_floors(tap: Path, rule: str | None = None) -> Floors:
+    """The floors ``capd test`` holds ``tap`` to under ``rule``: ``[floors]``, with ``[floors.<rule>]``
+    laid over it when the file has that table. Raises FixtureError (file and line) for a file it
+    cannot use, whichever rule's table the mistake is in."""
     path = tap / "fixtures" / FLOORS_FILE
     if not path.exists():
         return Floors(path=None)
@@ -48,31 +119,12 @@ def load_floors(tap: Path) -> Floors:
     floors = table.get("floors", {})
     if not isinstance(floors, dict):
         raise FixtureError(path, "[floors] must be a table", _line_of(text, "floors"))
-    minima: dict[str, float] = {}
-    maxima: dict[str, float] = {}
-    kinds: dict[str, float] = {}
-
-    def line(key: str) -> int | None:  # `key = …` under [floors], or its own [floors.key] table
-        return _line_of(text, f"floors.{key}") or _line_of(text, key)
-
-    def fraction(key: str, value: object) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise FixtureError(path, f"{key} must be a number between 0 and 1", _line_of(text, key.split(".")[-1]))
-        return float(value)
-
-    for key, value in floors.items():
-        if key == "kinds":
-            if not isinstance(value, dict):
-                raise FixtureError(path, "[floors.kinds] must be a table of kind = minimum accuracy", line("kinds"))
-            kinds = {k: fraction(f"floors.kinds.{k}", v) for k, v in value.items()}
-        elif key in _MINIMA:
-            minima[_MINIMA[key]] = fraction(f"floors.{key}", value)
-        elif key in _MAXIMA:
-            maxima[_MAXIMA[key]] = fraction(f"floors.{key}", value)
-        else:
-            known = ", ".join([*_MINIMA, *_MAXIMA, "kinds"])
-            raise FixtureError(path, f"floors.{key}: unknown floor (known: {known})", line(key))
-    return Floors(path=path, minima=minima, maxima=maxima, kinds=kinds)
+    base, per_rule = _Reader(path, text).table("floors", floors, rules=True)
+    own = per_rule.get(rule) if rule is not None else None
+    if own is None:
+        return base
+    return Floors(path, {**base.minima, **own.minima}, {**base.maxima, **own.maxima},
+                  {**base.kinds, **own.kinds}, rule)
 
 
 @dataclass(frozen=True)

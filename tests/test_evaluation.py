@@ -313,7 +313,7 @@ def test_shipped_tap_meets_its_floors(model_settings: Settings) -> None:
                                        "--json"])
     report = json.loads(result.stdout)
     assert result.exit_code == 0, json.dumps([r["checks"] for r in report["taps"]], indent=1)
-    assert all(r["floors"] for r in report["taps"])
+    assert all(r["floors"] and r["floors_table"] == "floors" and r["rule"] == "capd" for r in report["taps"])
 
 
 def test_eval_json_and_html_report(tmp_path: Path, model_settings: Settings) -> None:
@@ -391,10 +391,39 @@ def test_floors_errors_name_their_line(tmp_path: Path) -> None:
     floors = tmp_path / "fixtures" / "floors.toml"
     for text, line, reason in [("[floors]\nmin_top1 = 0.8\nmax_null_fpr = 2\n", 3, "floors.max_null_fpr must be"),
                                ("[floors]\n\n[floors.kinds]\nchitchat = 'all'\n", 4, "floors.kinds.chitchat must be"),
-                               ("[floors\n", 1, "invalid TOML")]:
+                               ("[floors\n", 1, "invalid TOML"),
+                               # a rule's own table: checked whichever rule runs, the line inside that table
+                               ("[floors.kinds]\nchitchat = 1.0\n\n[floors.fused.kinds]\nchitchat = 'x'\n", 5,
+                                "floors.fused.kinds.chitchat must be"),
+                               ("[floors]\nmin_top1 = 0.8\n[floors.fused]\nmin_top1 = 1.5\n", 4,
+                                "floors.fused.min_top1 must be"),
+                               ("[floors]\nfused = 0.9\n", 2, "[floors.fused] must be a table of floors for"),
+                               ("[floors.fsued]\nmin_top1 = 0.9\n", 1,
+                                "floors.fsued: unknown floor (known: min_top1, min_fired_right, max_fired_wrong, "
+                                "max_null_fpr, kinds; or a rule's own table: capd, anchor, fused)"),
+                               ("[floors.fused.anchor]\nmin_top1 = 0.9\n", 1, "floors.fused.anchor: unknown floor")]:
         floors.write_text(text)
-        with pytest.raises(FixtureError, match=rf"floors.toml: line {line}: {re.escape(reason)}"):
-            load_floors(tmp_path)
+        for rule in (None, "capd", "fused"):
+            with pytest.raises(FixtureError, match=rf"floors.toml: line {line}: {re.escape(reason)}"):
+                load_floors(tmp_path, rule)
+
+
+def test_a_rules_own_floors_replace_the_ones_they_name(tmp_path: Path) -> None:
+    (tmp_path / "fixtures").mkdir()
+    (tmp_path / "fixtures" / "floors.toml").write_text(
+        "[floors]\nmin_top1 = 0.85\nmin_fired_right = 0.45\nmax_null_fpr = 0.03\n"
+        "[floors.kinds]\nchitchat = 1.0\nvague = 1.0\n"
+        "[floors.fused]\nmin_fired_right = 0.8\nmax_null_fpr = 0.05\n[floors.fused.kinds]\nvague = 0.9\n"
+        "[floors.anchor]\nmin_top1 = 0.5\n")
+    base = load_floors(tmp_path, "capd")  # no table of its own
+    assert (base.minima, base.maxima, base.kinds, base.rule) == (
+        {"top1": 0.85, "fired_right": 0.45}, {"null_fpr": 0.03}, {"chitchat": 1.0, "vague": 1.0}, None)
+    assert load_floors(tmp_path) == base
+    fused = load_floors(tmp_path, "fused")
+    assert (fused.minima, fused.maxima, fused.kinds, fused.rule) == (
+        {"top1": 0.85, "fired_right": 0.8}, {"null_fpr": 0.05}, {"chitchat": 1.0, "vague": 0.9}, "fused")
+    anchor = load_floors(tmp_path, "anchor")
+    assert (anchor.minima, anchor.kinds, anchor.rule) == ({"top1": 0.5, "fired_right": 0.45}, base.kinds, "anchor")
 
 
 def test_a_tap_author_at_a_terminal_reads_what_the_json_says(model_settings: Settings) -> None:

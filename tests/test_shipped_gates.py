@@ -20,7 +20,7 @@ from capd.service import Service
 from capd.settings import Settings
 
 CORE = Path(__file__).resolve().parent.parent / "taps" / "core"
-LIMITS = {"max_null_fpr": 0.03, "max_wrong": 0.02}  # the tap's floors (fixtures/floors.toml), as calibrated
+LIMITS = {"max_null_fpr": 0.03, "max_wrong": 0.02}  # the tap's [floors] (fixtures/floors.toml), as calibrated
 
 
 def _rows(folder: str) -> list[Any]:
@@ -70,5 +70,9 @@ def test_capd_test_takes_the_rule(model_settings: Settings) -> None:
 
     result = CliRunner().invoke(main, ["test", str(CORE), "--rule", "fused", "--json",
                                        "--data-dir", str(model_settings.data_dir)])
-    metrics = json.loads(result.stdout)["taps"][0]["metrics"]
+    report = json.loads(result.stdout)["taps"][0]
+    metrics = report["metrics"]
     assert metrics["fired_right"] >= 0.80 and metrics["top1"] >= 0.90  # the default rule: 0.469 / 0.869
+    # and the tap holds fused to floors of its own (fixtures/floors.toml [floors.fused]), which it meets
+    assert report["floors_table"] == "floors.fused" and result.exit_code == 0, report["checks"]
+    assert {c["name"]: c["bound"] for c in report["checks"]}["fired_right"] == 0.80

@@ -197,7 +197,7 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
 @click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=PathParam())
 @settings_options
 @click.option("--rule", type=click.Choice(RULES), default=None,
-              help="Routing rule (default: the settings'; floors are written for one).")
+              help="Routing rule (default: the settings'); floors.toml may hold floors for each.")
 @click.option("--junit", type=PathParam(dir_okay=False), default=None,
               help="Write JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -218,13 +218,15 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
         files = tap_fixture_files(tap)
         if not files:
             raise Failed(f"{tap}: no fixtures/*.jsonl to test")
-        floors = load_floors(tap)
+        floors = load_floors(tap, base.rule)
         fixtures = load_fixtures(files)
         service = _service(Settings(**{**base.__dict__, "taps": (tap,)}))
         check_names(fixtures, service.catalog_now().capabilities)
         result, table, outcome = evaluate(service.router, fixtures)
         checks = check_floors(floors, result)
-        reports.append({"tap": str(tap), "floors": str(floors.path) if floors.path else None,
+        reports.append({"tap": str(tap), "rule": base.rule, "floors": str(floors.path) if floors.path else None,
+                        "floors_table": None if floors.path is None else
+                        "floors" if floors.rule is None else f"floors.{floors.rule}",
                         "metrics": {k: result[k] for k in ("n", "top1", "fired_right", "fired_wrong", "null_fpr")},
                         "checks": [c.as_dict() for c in checks], "passed": all(c.passed for c in checks),
                         "failing_rows": failing_rows(table, outcome)})
@@ -239,6 +241,9 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
                                                                report["metrics"].items()))
             if report["floors"] is None:
                 click.echo("  no fixtures/floors.toml: nothing to hold the tap to")
+            else:
+                click.echo(f"  rule {report['rule']}, floors from [{report['floors_table']}]"
+                           + (" over [floors]" if report["floors_table"] != "floors" else ""))
             for check in report["checks"]:
                 mark = "ok  " if check["passed"] else "FAIL"
                 click.echo(f"  {mark} {check['name']} {_fmt(check['value'])} {check['relation']} {check['bound']}")
