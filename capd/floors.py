@@ -167,6 +167,10 @@ def junit_xml(reports: list[dict[str, Any]]) -> str:
         checks = report["checks"]
         suite = ET.SubElement(suites, "testsuite", name=f"capd:{report['tap']}", tests=str(len(checks)),
                               failures=str(sum(not c["passed"] for c in checks)))
+        properties = ET.SubElement(suite, "properties")  # which rule, held to which floors
+        for key in ("rule", "floors_table"):
+            if report.get(key) is not None:
+                ET.SubElement(properties, "property", name=key, value=str(report[key]))
         for check in checks:
             case = ET.SubElement(suite, "testcase", classname=f"capd.{Path(report['tap']).name}", name=check["name"])
             if not check["passed"]:

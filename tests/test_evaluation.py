@@ -275,6 +275,8 @@ def test_capd_test_pass_fail_and_junit(tmp_path: Path, model_settings: Settings)
     assert suite is not None and int(suite.get("failures", "0")) >= 1
     failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
     assert "kind:missing-kind" in failed
+    assert {p.get("name"): p.get("value") for p in suite.iter("property")} == {"rule": "capd",
+                                                                               "floors_table": "floors"}
     broken = _tap_with_fixtures(tmp_path / "broken", "[floors]\nmin_recall = 0.5\n")
     result = CliRunner().invoke(main, ["test", str(broken), *data])
     assert result.exit_code == 1 and "unknown floor" in result.output
