@@ -294,6 +294,38 @@ def test_eviction_of_a_capability_sharing_the_new_ones_server(make: Make, clock:
     assert started(plan) == [("fs-write", "filesystem", ("write_file", "read_file"))]
 
 
+def _readme_agent() -> dict[str, Any]:
+    """The README's reference agent (*For agent developers*): its ``running``, ``apply`` and ``exposed``."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## For agent developers.*?```python\n(.*?)```", readme, re.S)
+    assert block is not None
+    code = block.group(1).split("\ndef turn(")[0].replace("from capd.client import CapdClient\n", "")
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)  # our own README's code, to check that it applies plans right
+    return namespace
+
+
+def test_the_readme_agent_keeps_a_tool_another_capability_still_grants(make: Make, clock: Clock) -> None:
+    """fs-read grants read_file and list_directory, fs-write write_file and read_file, on one server.
+    The README's agent subtracted each teardown's tools from the server's set, so disabling (or
+    evicting) fs-read also hid read_file, which fs-write still grants."""
+    for leave in ("disable", "evict"):
+        agent, registry = _readme_agent(), make(max_active=2)
+        agent["apply"](registry.activate("s1", "fs-read").as_dict())
+        clock.tick()
+        agent["apply"](registry.activate("s1", "fs-write").as_dict())
+        clock.tick()
+        assert agent["exposed"]("filesystem") == {"read_file", "list_directory", "write_file"}
+        plan = registry.deactivate("s1", "fs-read") if leave == "disable" else registry.activate("s1", "git")
+        assert [t.capability for t in plan.teardown] == ["fs-read"]
+        agent["apply"](plan.as_dict())
+        assert agent["exposed"]("filesystem") == {"write_file", "read_file"}, leave
+        agent["apply"](registry.deactivate("s1", "fs-write").as_dict())
+        assert "filesystem" not in agent["running"]  # the last grant gone: the server was killed
+
+
 def test_multi_server_capability(make: Make) -> None:
     registry = make()
     plan = registry.activate("s1", "web")
