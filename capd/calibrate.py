@@ -6,7 +6,8 @@ Fixtures are split deterministically by a hash of the message — ``HELD_OUT_SHA
 are never used for fitting — and the recommended point is the one with the most
 ``fired_right`` on the fitting part whose ``null_fpr`` and ``fired_wrong`` stay within the
 limits (ties go to the higher threshold; at one threshold, to the lowest margin and then the
-lowest coverage that reach the same ``fired_right``). The same point is then reported on the
+lowest coverage that reach the same ``fired_right`` for one ``top_k``, and between ``top_k``
+values to the higher margin, the more cautious point). The same point is then reported on the
 held-out part.
 
 The sweep counts, for every grid point at once, the rows each gate lets through: a row passes
@@ -233,6 +234,11 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
     variants = score_variants(router, fixtures, vectors, tokens, grid)
     fitted = fit_gates(variants, fit_rows, grid, max_null_fpr, max_wrong)
     point = fitted.point
+    error = None
+    if point is not None and point.fired_right <= 0:  # the same tie: gates that fire nothing would be written
+        point, error = None, (f"no gates within the limits fire any of the {positives} fit positive rows right "
+                              "(too short to route, expecting capabilities without triggers, or beaten by the "
+                              "nulls the limits must keep out): nothing to recommend")
     report: dict[str, Any] = {
         "rule": router.rule,
         "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
@@ -241,6 +247,8 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         "abstain_corpus": fitted.corpus,
         "curve": [c.as_dict() for c in fitted.curve],
     }
+    if error is not None:
+        report["error"] = error
     if point is not None:
         table = fitted.tables[point.top_k]
         for label, rows in (("fit", fit_rows), ("held_out", held_rows)):
@@ -269,7 +277,7 @@ def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd"
     table, an array of tables, a value over several lines) or when the read-back is not exactly
     the intended gates with every other key unchanged.
     """
-    path = tap / "capd.toml"
+    path = _writable_config(tap)
     text, old = _NEW_FILE, {}
     if path.exists():
         try:
@@ -298,8 +306,28 @@ def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd"
         raise TapFileError(path, "capd cannot update it in place without changing what else it says; write the "
                                  "gates as [gates] and [gates.fused] tables with one `key = value` line per gate, "
                                  "then calibrate again")
-    atomic.write_text(path, new)
-    return path
+    try:
+        atomic.write_text(path, new)
+    except OSError as exc:
+        raise TapFileError(path, f"cannot write it: {exc.strerror or exc}; nothing was changed") from None
+    return tap / "capd.toml"
+
+
+def _writable_config(tap: Path) -> Path:
+    """The file ``--write`` edits: ``<tap>/capd.toml``, or the file it links to inside the tap (a
+    rename over the link would replace the link with a plain file and leave its target stale). A link
+    out of the tap is refused, as the tap loader refuses to read through one."""
+    path = tap / "capd.toml"
+    if not path.is_symlink():
+        return path
+    try:
+        target, root = path.resolve(strict=False), tap.resolve()
+    except (OSError, RuntimeError) as exc:
+        raise TapFileError(path, f"cannot follow the link: {exc}") from None
+    if not target.is_relative_to(root):
+        raise TapFileError(path, f"links to {target}, outside the tap; capd edits only files in the tap: "
+                                 "replace the link with the file, then calibrate again")
+    return target
 
 
 _NEW_FILE = ("# Written by `capd calibrate --write`. Gates for this tap's capabilities: [gates] for the\n"

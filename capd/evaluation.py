@@ -12,6 +12,7 @@ skipped by the short-input gate counts as an abstention.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from capd.encoder import TokenVectors
+from capd.errors import CapdError
 from capd.fixtures import Fixture
 from capd.gates import passes_coverage
 from capd.router import Router
@@ -45,9 +47,11 @@ class ScoreTable:
     vetoed: np.ndarray | None = None  # bool [rows]: a learned abstain vetoes the row's winner (router.Vetoes)
     coverage: np.ndarray | None = None  # [rows]: the winner's coverage (fused; None: no coverage gate)
 
-    @property
+    @functools.cached_property
     def positive(self) -> np.ndarray:
-        return np.asarray(self.expected.any(axis=1))
+        """bool [rows]: the row expects a capability. From the fixtures, not from ``expected``: a row
+        expecting a capability that has no triggers (so no column) is a positive nothing can fire right."""
+        return np.array([f.positive for f in self.fixtures], dtype=bool)
 
     def gate_inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(winner index, what the threshold reads, what the margin reads) per row.
@@ -97,7 +101,11 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
     """Every fixture scored by the router's rule (``top_k`` applies to the cosine rules only).
 
     ``vectors`` and ``tokens`` come from :func:`embed_fixtures`; ``fused`` given vectors
-    without tokens embeds the messages again for them."""
+    without tokens embeds the messages again for them. Raises CapdError when no capability can
+    be routed to (none has triggers): every row would abstain, which measures nothing."""
+    if router.index.capability_count == 0:
+        raise CapdError("nothing to measure: no capability of the taps has triggers, so every message would "
+                        "abstain (capd lint lists the capabilities without them)")
     if vectors is None:
         vectors, tokens = embed_fixtures(router, fixtures)
     levels = coverage = None

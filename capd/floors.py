@@ -65,6 +65,14 @@ def _key_line(text: str, section: str, key: str) -> int | None:
     return None if header is None else text.count("\n", 0, header.start()) + 1
 
 
+def _top_line(text: str, key: str) -> int | None:
+    """The line of a top-level ``key = …``, ``[key]`` or ``[key.sub]`` (best effort)."""
+    header = re.compile(rf"^[ \t]*\[\s*{re.escape(key)}\s*[.\]]", re.M).search(text)
+    if header is not None:
+        return text.count("\n", 0, header.start()) + 1
+    return _line_of(text, key)
+
+
 class _Reader:
     """Checks one floors table (``[floors]`` or ``[floors.<rule>]``) and collects its bounds."""
 
@@ -116,6 +124,10 @@ def load_floors(tap: Path, rule: str | None = None) -> Floors:
         table, text, _ = parse_toml(path, tap)
     except TapFileError as exc:  # unreadable, not UTF-8, invalid TOML: with its line
         raise FixtureError(path, exc.reason, exc.line) from None
+    for key in table:
+        if key != "floors":  # a misspelt [floor.kinds], or a key above [floors]: it would hold nothing to account
+            raise FixtureError(path, f"{key}: not part of [floors] (the file holds only [floors] and its tables, "
+                                     "e.g. [floors.kinds], [floors.fused])", _top_line(text, key))
     floors = table.get("floors", {})
     if not isinstance(floors, dict):
         raise FixtureError(path, "[floors] must be a table", _line_of(text, "floors"))
@@ -180,4 +192,10 @@ def junit_xml(reports: list[dict[str, Any]]) -> str:
                                          f"(best {r['best']} {r['score']})" for r in report["failing_rows"][:50])
         out = ET.SubElement(suite, "system-out")
         out.text = f"{len(report['failing_rows'])} fixture rows decided wrong"
-    return ET.tostring(suites, encoding="unicode", xml_declaration=True)
+    # Characters XML 1.0 cannot hold (control characters in a kind or message, a file name's
+    # undecodable bytes as lone surrogates) are written as escapes: a CI parser rejects the file otherwise.
+    return _NOT_XML.sub(lambda m: ascii(m.group())[1:-1], ET.tostring(suites, encoding="unicode",
+                                                                       xml_declaration=True))
+
+
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")

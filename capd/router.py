@@ -344,7 +344,8 @@ class Router:
         if name in active:
             return Decision("already_active", f"{name} is already active", name, level, gap, candidates)
         gates = self._gates_for(name)
-        if not (math.isfinite(level) and math.isfinite(gap)):  # NaN must clear nothing: the tests read "not >="
+        alone = len(names) == 1 and gap == math.inf  # no runner-up: the gap is infinite, and clears any margin
+        if not (math.isfinite(level) and (math.isfinite(gap) or alone)):  # NaN clears nothing ("not >=" below)
             return Decision("abstain", not_a_number(name, level, gap), name, level, gap, candidates)
         if not level >= gates.threshold:
             value, limit = shown(level, gates.threshold)

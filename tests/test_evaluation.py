@@ -465,3 +465,131 @@ def test_a_tap_author_at_a_terminal_reads_what_the_json_says(model_settings: Set
             f"abstain corpus {'on' if point['abstain_corpus'] else 'off'}") in lines
     held_out = calibrated["held_out"]
     assert any(line.startswith(f"  held_out  fired_right {held_out['fired_right']:.3f}") for line in lines)
+
+
+# -- what tap authors run into on taps under construction (found by review, 2026-11-26) -------------------
+
+def _hash(tmp_path: Path) -> list[str]:
+    return ["--model", "hash", "--data-dir", str(tmp_path / "data")]
+
+
+def test_a_row_expecting_a_capability_without_triggers_is_a_positive(tmp_path: Path) -> None:
+    """It has no score column, so it was counted as a null: a wrong activation passed as null_fpr
+    (and as a pass of max_fired_wrong = 0)."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmax_fired_wrong = 0.0\n")
+    write_capability(tap, "not-yet", [])
+    rows = [{"message": "run a query on the postgres database please", "expect": "not-yet"},
+            {"message": "create a python virtualenv and run pytest", "expect": "python-toolchain"},
+            {"message": "my cat likes to sleep on the sofa all afternoon", "expect": None}]
+    (tap / "fixtures" / "routing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for rule in ("capd", "fused"):
+        result = CliRunner().invoke(main, ["eval", "--tap", str(tap), "--fixtures",
+                                           str(tap / "fixtures" / "routing.jsonl"), "--rule", rule, "--json",
+                                           "--threshold", "0", "--margin", "0", *_hash(tmp_path)])
+        report = json.loads(result.stdout)
+        assert (report["positives"], report["nulls"], report["top1"]) == (2, 1, 0.5), rule
+        assert report["fired_wrong"] == 0.5, rule  # the postgres row fired, on another capability
+    result = CliRunner().invoke(main, ["test", str(tap), *_hash(tmp_path)])
+    assert result.exit_code == 1 and "FAIL fired_wrong 0.500 <= 0.0" in result.output
+
+
+def test_fused_routes_on_a_tap_of_one_capability(tmp_path: Path) -> None:
+    """With no runner-up the gap is infinite: the router called it 'not a number' and abstained on
+    every message, while eval and calibrate counted the same rows as fired."""
+    tap = tmp_path / "tap"
+    write_capability(tap, "docker", ["list running containers", "build a docker image", "stop the container"])
+    result = CliRunner().invoke(main, ["route", "list running containers", "--tap", str(tap), "--rule", "fused",
+                                       "--json", *_hash(tmp_path)])
+    routed = json.loads(result.stdout)
+    assert routed["decision"] == "activate" and routed["capability"] == "docker", routed
+    assert routed["margin"] is None and "not a number" not in routed["reason"]
+
+
+def test_calibrate_recommends_nothing_when_no_fit_positive_can_fire(tmp_path: Path) -> None:
+    """Positives too short to route: every point tied at fired_right 0 and --write stored threshold 1.0,
+    which switched the tap off, with exit 0."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"message": f"py {i}", "expect": "python-toolchain"}) + "\n" for i in range(8))
+                     + "".join(json.dumps({"message": f"my cat sleeps on the sofa, day {i}", "expect": None}) + "\n"
+                               for i in range(2)))
+    result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures", str(short), "--write",
+                                       *_hash(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "no gates within the limits fire any of the" in result.output
+    assert not (tap / "capd.toml").exists()
+
+
+def test_measuring_a_tap_with_nothing_to_route_to_is_a_clear_error(tmp_path: Path) -> None:
+    """A tap under construction whose capabilities have no triggers yet: tracebacks (argmax of an
+    empty sequence; fused, a zero-size reduction)."""
+    tap = tmp_path / "tap"
+    write_capability(tap, "mytool", [])
+    (tap / "fixtures").mkdir()
+    rows = tap / "fixtures" / "routing.jsonl"
+    rows.write_text("".join(json.dumps({"message": f"use my tool on file {i} please", "expect": "mytool"}) + "\n"
+                            for i in range(10)))
+    for args in (["test", str(tap)], ["eval", "--tap", str(tap), "--fixtures", str(rows), "--rule", "fused"],
+                 ["calibrate", "--tap", str(tap), "--fixtures", str(rows)]):
+        result = CliRunner().invoke(main, [*args, *_hash(tmp_path)])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (args, result.output)
+        assert "nothing to measure: no capability of the taps has triggers" in result.stderr, (args, result.output)
+
+
+def test_floors_outside_the_floors_table_are_errors(tmp_path: Path) -> None:
+    """A key above [floors], or a misspelt [floor.kinds], was ignored: the tap passed with no floor checked."""
+    (tmp_path / "fixtures").mkdir()
+    floors = tmp_path / "fixtures" / "floors.toml"
+    for text, line, key in [("min_fired_right = 0.99\n[floors]\nmin_top1 = 0.5\n", 1, "min_fired_right"),
+                            ("[floors]\nmin_top1 = 0.5\n\n[floor.kinds]\noff-topic = 1.0\n", 4, "floor")]:
+        floors.write_text(text)
+        with pytest.raises(FixtureError, match=rf"floors.toml: line {line}: {key}: not part of \[floors\]"):
+            load_floors(tmp_path)
+
+
+def test_junit_holds_only_characters_xml_allows(tmp_path: Path) -> None:
+    """A control character in a kind (or a file name's undecodable bytes) made XML a CI parser rejects."""
+    tap = _tap_with_fixtures(tmp_path / "tap", '[floors]\n[floors.kinds]\n"bell\\u0007kind" = 1.0\n')
+    rows = tap / "fixtures" / "routing.jsonl"
+    rows.write_text(rows.read_text() + json.dumps({"message": "my cat likes the sofa", "expect": None,
+                                                   "kind": "bell\u0007kind"}) + "\n")
+    junit = tmp_path / "r.xml"
+    CliRunner().invoke(main, ["test", str(tap), "--junit", str(junit), *_hash(tmp_path)])
+    names = [c.get("name") for c in ET.parse(junit).getroot().iter("testcase")]
+    assert "kind:bell\\x07kind" in names
+
+
+def test_calibrate_write_follows_a_link_in_the_tap_and_refuses_one_out(tmp_path: Path) -> None:
+    """The rename replaced a linked capd.toml with a plain file and left the link's target stale."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    (tap / "conf").mkdir()
+    (tap / "conf" / "capd.toml").write_text("# shared settings\n")
+    (tap / "capd.toml").symlink_to(Path("conf") / "capd.toml")
+    args = ["calibrate", "--tap", str(tap), "--fixtures", str(tap / "fixtures" / "routing.jsonl"), "--write",
+            "--max-null-fpr", "1", "--max-wrong", "1", *_hash(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert (tap / "capd.toml").is_symlink() and "[gates]" in (tap / "conf" / "capd.toml").read_text()
+    outside = tmp_path / "elsewhere.toml"
+    outside.write_text("# not the tap's\n")
+    (tap / "capd.toml").unlink()
+    (tap / "capd.toml").symlink_to(outside)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "outside the tap" in result.output
+    assert outside.read_text() == "# not the tap's\n" and (tap / "capd.toml").is_symlink()
+
+
+def test_calibrate_write_that_cannot_write_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OSError from the rename (a read-only or immutable tap) came out as a traceback."""
+    import capd.calibrate
+
+    def refuse(path: Path, text: str) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(capd.calibrate.atomic, "write_text", refuse)
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures",
+                                       str(tap / "fixtures" / "routing.jsonl"), "--write", "--max-null-fpr", "1",
+                                       "--max-wrong", "1", *_hash(tmp_path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "capd.toml: cannot write it: Operation not permitted; nothing was changed" in result.output
