@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,6 @@ CREATE TABLE IF NOT EXISTS learned (
 )
 """
 KINDS = ("trigger", "abstain")  # message -> capability, and message -/-> capability
-REFUSED = "refused"  # a turn's decision once the agent disabled what it activated
-CORRECTED = "corrected"  # a turn's decision once an enable has learned from it
 
 
 @dataclass(frozen=True)
@@ -181,6 +180,16 @@ class LearnedStore:
         with self._lock, self._conn:
             yield self._conn
 
+    def _spellings(self, conn: sqlite3.Connection, tap: Path | str | None) -> list[str] | None:
+        """Every spelling of ``tap`` the file holds (None: any tap). Corrections are stored under the
+        tap's real path; a file from before that may hold it as a daemon was given it (``a/../b``, a
+        link), and those rows belong to the same tap."""
+        if tap is None:
+            return None
+        wanted = canonical_tap(tap)
+        stored = [row[0] for row in conn.execute("SELECT DISTINCT tap FROM learned")]
+        return [wanted, *(t for t in stored if t != wanted and canonical_tap(t) == wanted)]
+
     def record(self, tap: Path | str, capability: str, message: str, previous: str | None = None,
                session: str | None = None, kind: str = "trigger") -> bool:
         """Store one correction (replacing one of the other kind), dropping the capability's oldest
@@ -189,7 +198,7 @@ class LearnedStore:
         write or :meth:`version` check stores it."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        entry = Learned(str(tap), capability, message, previous, session, time.time(), kind)
+        entry = Learned(canonical_tap(tap), capability, message, previous, session, time.time(), kind)
         try:
             with self._cursor() as conn:
                 stored = self._insert(conn, entry)
@@ -267,8 +276,8 @@ class LearnedStore:
         """The matching corrections, those held in memory included (over the file's of the same message)."""
         with self._lock:
             unsaved = list(self._unsaved.values())
-        where, args = _filters(tap, capability, None, None if unsaved else kind)
         with self._cursor() as conn:
+            where, args = _filters(self._spellings(conn, tap), capability, None, None if unsaved else kind)
             rows = conn.execute(f"SELECT tap, capability, message, previous, session, created, kind FROM learned"
                                 f"{where} ORDER BY tap, capability, kind DESC, created, message", args).fetchall()
         found = [Learned(*row) for row in rows]
@@ -283,8 +292,8 @@ class LearnedStore:
     def forget(self, tap: Path | str | None = None, capability: str | None = None,
                message: str | None = None, kind: str | None = None) -> int:
         """Delete matching entries (all of them when nothing is given); returns how many."""
-        where, args = _filters(tap, capability, message, kind)
         with self._cursor() as conn:  # (no RETURNING: older SQLite builds lack it)
+            where, args = _filters(self._spellings(conn, tap), capability, message, kind)
             deleted = set(conn.execute(f"SELECT tap, capability, message FROM learned{where}", args))
             conn.execute(f"DELETE FROM learned{where}", args)
         with self._lock:
@@ -297,11 +306,14 @@ class LearnedStore:
         return len(deleted | set(held))
 
     def for_tap(self, tap: Path | str, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
-        """capability → learned messages of ``kind``, for one tap."""
-        out: dict[str, list[str]] = {}
+        """capability → learned messages of ``kind``, for one tap: each capability's latest
+        :attr:`limit`, oldest first. The store keeps no more than that per capability, except what
+        a daemon with a larger ``learn_max`` (or before it was lowered) left in the file."""
+        latest: dict[str, dict[str, float]] = {}
         for entry in self.entries(tap=tap, kind=kind):
-            out.setdefault(entry.capability, []).append(entry.message)
-        return {name: tuple(messages) for name, messages in out.items()}
+            when = latest.setdefault(entry.capability, {})
+            when[entry.message] = max(entry.created, when.get(entry.message, entry.created))
+        return {name: tuple(sorted(when, key=lambda m: (when[m], m))[-self.limit:]) for name, when in latest.items()}
 
     def for_catalog(self, catalog: Catalog, kind: str = "trigger") -> dict[str, tuple[str, ...]]:
         """capability → learned messages of ``kind``, for the capabilities ``catalog`` serves from
@@ -353,33 +365,45 @@ class LearnedStore:
             return len(self._unsaved)
 
 
-def _wanted(tap: Path | str | None, capability: str | None, message: str | None,
-            kind: str | None) -> dict[str, str]:
-    """The columns a filter fixes, and their values (``None``: any)."""
-    given = {"tap": tap, "capability": capability, "message": message, "kind": kind}
-    return {column: str(value) for column, value in given.items() if value is not None}
+def canonical_tap(tap: Path | str) -> str:
+    """The key a tap's corrections are stored under: its real path, so that ``taps/x``,
+    ``config/../taps/x`` and a link to it are one tap."""
+    return os.path.realpath(os.path.expanduser(str(tap)))
 
 
-def _filters(tap: Path | str | None, capability: str | None, message: str | None,
+def _filters(taps: Sequence[str] | None, capability: str | None, message: str | None,
              kind: str | None = None) -> tuple[str, tuple[str, ...]]:
-    wanted = _wanted(tap, capability, message, kind)
-    where = " AND ".join(f"{column} = ?" for column in wanted)
-    return (f" WHERE {where}" if where else ""), tuple(wanted.values())
+    """A WHERE clause: ``taps`` are the spellings of one tap (:meth:`LearnedStore._spellings`)."""
+    clauses: list[str] = []
+    args: list[str] = []
+    if taps is not None:
+        clauses.append(f"tap IN ({', '.join('?' * len(taps))})")
+        args += taps
+    for column, value in (("capability", capability), ("message", message), ("kind", kind)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            args.append(value)
+    return (f" WHERE {' AND '.join(clauses)}" if clauses else ""), tuple(args)
 
 
 def _matches(entry: Learned, tap: Path | str | None = None, capability: str | None = None,
              message: str | None = None, kind: str | None = None) -> bool:
     """:func:`_filters` for an entry held in memory."""
-    return all(getattr(entry, column) == value for column, value in _wanted(tap, capability, message, kind).items())
+    if tap is not None and canonical_tap(entry.tap) != canonical_tap(tap):
+        return False
+    wanted = {"capability": capability, "message": message, "kind": kind}
+    return all(getattr(entry, column) == value for column, value in wanted.items() if value is not None)
 
 
 @dataclass(frozen=True)
 class Turn:
-    """One routed message of a session, as routing decided it."""
+    """One routed message of a session, as routing decided it, and what the agent did about it since."""
 
     message: str
     decision: str
     capability: str | None
+    refused: bool = False  # the agent disabled what it activated (a learned abstain)
+    corrected: bool = False  # an enable has learned from it (a learned trigger)
 
 
 class Corrections:
@@ -399,35 +423,47 @@ class Corrections:
             while len(self._turns) > self.max_sessions:
                 self._turns.popitem(last=False)
 
+    def _latest(self, session: str) -> tuple[deque[Turn], int] | None:
+        """The session's turns and the index of its latest routed (not skipped) one."""
+        turns = self._turns.get(session)
+        for index in range(len(turns or ()) - 1, -1, -1):
+            assert turns is not None
+            if turns[index].decision != "skipped":
+                return turns, index
+        return None
+
     def enabled(self, session: str, name: str) -> Turn | None:
         """The turn that enabling ``name`` corrects, or None: the session's latest routed turn,
         once. It stays, marked corrected, so that enabling again (or after a disable) does not
         reach back to older turns: toggling a capability taught it every recent message."""
         with self._lock:
-            turns = self._turns.get(session)
-            for index in range(len(turns or ()) - 1, -1, -1):
-                assert turns is not None
-                turn = turns[index]
-                if turn.decision == "skipped":
-                    continue
-                if turn.decision == CORRECTED:
-                    return None  # the latest turn was corrected already
-                if turn.capability == name and turn.decision in ("activate", "already_active"):
-                    return None  # routing already chose it: nothing to learn
-                turns[index] = Turn(turn.message, CORRECTED, name)
-                return turn
-            return None
+            found = self._latest(session)
+            if found is None:
+                return None
+            turns, index = found
+            turn = turns[index]
+            if turn.corrected:
+                return None  # the latest turn was corrected already
+            if turn.capability == name and turn.decision in ("activate", "already_active") and not turn.refused:
+                return None  # routing already chose it: nothing to learn
+            turns[index] = replace(turn, corrected=True)
+            return turn
 
     def disabled(self, session: str, name: str) -> Turn | None:
         """The turn that disabling ``name`` refuses, or None: the session's latest routed turn,
-        when it activated ``name``. The turn stays, marked refused, for an enable to correct."""
+        when it activated ``name`` (whether or not an enable of another capability has corrected
+        it: the two corrections say the same, in either order). It stays, marked refused, for an
+        enable to correct."""
         with self._lock:
-            turns = self._turns.get(session)
-            latest = next((t for t in reversed(turns or ()) if t.decision != "skipped"), None)
-            if turns is None or latest is None or latest.decision != "activate" or latest.capability != name:
+            found = self._latest(session)
+            if found is None:
                 return None
-            turns[turns.index(latest)] = Turn(latest.message, REFUSED, latest.capability)
-            return latest
+            turns, index = found
+            turn = turns[index]
+            if turn.decision != "activate" or turn.capability != name or turn.refused:
+                return None
+            turns[index] = replace(turn, refused=True)
+            return turn
 
     def forget_session(self, session: str) -> None:
         """Drop a session's turns when it ends: an enable in a later session with the same id

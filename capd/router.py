@@ -107,6 +107,13 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
     return replace(catalog, capabilities=MappingProxyType(capabilities))
 
 
+# How much closer to a refused message than to the capability's nearest example a message must be
+# to be vetoed. The two cosines come from different arithmetic (the vetoes' matrix, the index's own
+# rows): a message equal to both a refused message and a trigger scored 1.0 against 0.99999994, and
+# a last-bit difference vetoed it. Float32 cosines are good to about 1e-7.
+VETO_TIE = 1e-5
+
+
 @dataclass(frozen=True)
 class Vetoes:
     """Abstains that veto a winner: per capability, the messages an agent refused it for
@@ -244,7 +251,7 @@ class Router:
                 example = next((c for _, c in self.index.top_triggers(queries[row], name, 1)), -1.0)
             except UnknownCapability:  # the index moved on under a router about to be replaced
                 example = -1.0
-            if similarity > example:
+            if similarity > example + VETO_TIE:
                 out[row] = Refusal(message, similarity, example, learned)
         return out
 

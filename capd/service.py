@@ -406,9 +406,11 @@ class Service:
 
     def _on_manual_enable(self, session: str, name: str) -> None:
         """A manual enable right after a miss: record (message -> name) and apply it soon."""
-        turn = self.corrections.enabled(session, name)
         capability = self.catalog_now().get(name)
-        if turn is None or self.learned is None or capability is None or not capability.triggers:
+        if self.learned is None or capability is None or not capability.triggers:
+            return  # learns nothing, so it leaves the turn for an enable that does (manual-only capabilities)
+        turn = self.corrections.enabled(session, name)
+        if turn is None:
             return
         previous = "abstain" if turn.decision == "abstain" else turn.capability
         if self.learned.record(capability.tap, name, turn.message, previous, session):
@@ -417,9 +419,11 @@ class Service:
 
     def _on_manual_disable(self, session: str, name: str) -> None:
         """A manual disable right after routing activated ``name``: record (message -/-> name)."""
-        turn = self.corrections.disabled(session, name)
         capability = self.catalog_now().get(name)
-        if turn is None or self.learned is None or capability is None or not capability.triggers:
+        if self.learned is None or capability is None or not capability.triggers:
+            return
+        turn = self.corrections.disabled(session, name)
+        if turn is None:
             return
         if self.learned.record(capability.tap, name, turn.message, name, session, kind="abstain"):
             log.info("learned: %r -/-> %s (disabled right after routing activated it)", turn.message[:80], name)

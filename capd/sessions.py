@@ -213,7 +213,7 @@ class SessionRegistry:
         self._locks: dict[str, _LockEntry] = {}
         self._locks_guard = threading.Lock()
         self._degraded = False
-        # Called as on_manual(session, name) after every manual activation, and as
+        # Called as on_manual(session, name) after a manual activation that made name active, and as
         # on_disable(session, name) after a disable that removed an active capability (capd.learned listens).
         self.on_manual: Callable[[str, str], None] | None = None
         self.on_disable: Callable[[str, str], None] | None = None
@@ -258,7 +258,7 @@ class SessionRegistry:
                     self._evict_one(change)
                 change.add(capability, origin, now)
             plan = self._commit(change, now)
-        if origin == "manual":
+        if origin == "manual" and entry is None:  # enabling what is active already changes (and teaches) nothing
             self._notify(self.on_manual, session, name)
         return plan
 

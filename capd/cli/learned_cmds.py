@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -18,7 +20,7 @@ from capd.cli.common import (
 )
 from capd.cli.daemon_cmds import client_for
 from capd.errors import ClientError
-from capd.learned import Learned, LearnedStore
+from capd.learned import Learned, LearnedStore, canonical_tap
 from capd.settings import Settings
 
 
@@ -123,21 +125,33 @@ def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, f
     settings = build_settings(config, data_dir=data_dir)
     store = _store(settings)
     grouped: dict[tuple[str, str], dict[str, list[str]]] = {}
-    for tap in taps or (None,):
+    for tap in dict.fromkeys(taps) or (None,):
         for entry in store.entries(tap=_tap(tap)):
             key = "add_triggers" if entry.kind == "trigger" else "refused_messages"
-            grouped.setdefault((entry.tap, entry.capability), {}).setdefault(key, []).append(entry.message)
-    suggestions = [{"tap": tap, "capability": name, "file": str(Path(tap) / "capabilities" / name),
-                    **{key: lists.get(key, []) for key in ("add_triggers", "refused_messages")}}
-                   for (tap, name), lists in sorted(grouped.items())]
+            messages = grouped.setdefault((canonical_tap(entry.tap), entry.capability), {}).setdefault(key, [])
+            if entry.message not in messages:  # one tap stored under two spellings by an older capd
+                messages.append(entry.message)
+    suggestions: list[dict[str, Any]] = [
+        {"tap": tap, "capability": name, "file": str(Path(tap) / "capabilities" / name),
+         **{key: lists.get(key, []) for key in ("add_triggers", "refused_messages")}}
+        for (tap, name), lists in sorted(grouped.items())]
     if fmt == "json":
         emit_json({"suggestions": suggestions})
         return
     click.echo("# Suggested triggers learned from corrections (capd learned export).\n"
                "# Review each one; add the good ones to the capability's `triggers`. `refused_messages`\n"
                "# activated the capability and an agent disabled it at once: reword triggers they resemble.")
+    names = Counter(item["capability"] for item in suggestions)
     for item in suggestions:
-        lines = [f"\n[{json.dumps(str(item['capability']))}]", f"file = {json.dumps(item['file'])}"]
-        lines += [f"{key} = {json.dumps(item[key], ensure_ascii=False)}"
+        # a table per capability; a name learned for several taps is qualified by its tap, so no table repeats
+        table = item["capability"] if names[item["capability"]] == 1 else f"{item['capability']} @ {item['tap']}"
+        lines = [f"\n[{_toml_string(table)}]", f"file = {_toml_string(item['file'])}"]
+        lines += [f"{key} = [{', '.join(_toml_string(m) for m in item[key])}]"
                   for key in ("add_triggers", "refused_messages") if item[key]]
         click.echo("\n".join(lines))
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: JSON's escapes (TOML has the same ones) plus DEL, which TOML forbids raw
+    and JSON leaves as it is; other characters stay as they are (UTF-8)."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
