@@ -148,7 +148,7 @@ def _install_handlers(app: FastAPI) -> None:
         return _error(422, "invalid_request", detail)
 
     statuses: list[tuple[type[CapdError], int]] = [
-        (UnknownSession, 404), (UnknownCapability, 404), (InvalidSessionId, 400), (PinnedCapability, 409),
+        (UnknownSession, 404), (UnknownCapability, 404), (InvalidSessionId, 422), (PinnedCapability, 409),
         (StateError, 503), (ModelError, 503),  # capd cannot answer (e.g. a model giving NaN): not the request's fault
     ]
     for cls, status in statuses:
@@ -477,7 +477,7 @@ def _install_routes(app: FastAPI) -> None:
     def capability_call(request: Request, session: SessionPath,
                         body: Annotated[CapabilityCall, Body()]) -> dict[str, Any]:
         service = _ready(request)
-        check_session_id(session)  # a bad id is the agent's bug (400), not a tool result for the model
+        check_session_id(session)  # a bad id is the agent's bug (422), not a tool result for the model
         if body.intent is not None:
             _check_size(body.intent, "intent")
         return run_capability_call(service, session, body.action, body.name, body.intent)

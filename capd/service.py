@@ -503,10 +503,12 @@ class Service:
     def route(self, message: str, session: str | None = None) -> RouteResult:
         """Route one message, blocking while the model encodes it (CLI, tests). See :meth:`aroute`."""
         started = time.perf_counter()
-        prepared = self._prepare(message, session)
+        prepared = self._prepare(message)
         if isinstance(prepared, RouteResult):
             return self._routed(prepared, session, started)
         snapshot, text = prepared
+        if text is None:
+            return self._routed(self._too_short(snapshot, session), session, started)
         vector, tokens = snapshot.router.embed(text)
         return self._routed(self._decide(snapshot, text, vector, session, tokens), session, started)
 
@@ -514,10 +516,14 @@ class Service:
         """:meth:`route` for the event loop (``POST /v1/route``): the same result, metrics and
         session semantics, but it awaits the micro-batcher instead of holding a thread meanwhile."""
         started = time.perf_counter()
-        prepared = self._prepare(message, session)
+        prepared = self._prepare(message)
         if isinstance(prepared, RouteResult):
             return self._routed(prepared, session, started)
         snapshot, text = prepared
+        if text is None:  # with a session, its plan is a store write: off the event loop, as below
+            result = (self._too_short(snapshot, session) if session is None
+                      else await asyncio.to_thread(self._too_short, snapshot, session))
+            return self._routed(result, session, started)
         vector, tokens = await snapshot.router.aembed(text)
         if session is not None or snapshot.router.index.trigger_count > OFFLOAD_TRIGGERS:
             # Off the event loop: with a session, the decision is committed to the session store
@@ -529,19 +535,22 @@ class Service:
             result = self._decide(snapshot, text, vector, session, tokens)
         return self._routed(result, session, started)
 
-    def _prepare(self, message: str, session: str | None) -> tuple[Snapshot, str] | RouteResult:
-        """The snapshot and cleaned text to route, or the result when there is nothing to encode."""
+    def _prepare(self, message: str) -> tuple[Snapshot, str | None] | RouteResult:
+        """The snapshot and the cleaned text to route (None: too short to route), or the result when
+        capd cannot route yet."""
         snapshot = self._snapshot
         if snapshot is None:
             if self.startup_error is not None:  # never ready: say why rather than "warming up" forever
                 return RouteResult(Decision("skipped", f"failed to start: {self.startup_error}"))
             return RouteResult(Decision("skipped", "warming up: the model and index are loading"))
+        text, long_enough = clean_message(message, snapshot.router.min_chars)
+        return snapshot, text if long_enough else None
+
+    def _too_short(self, snapshot: Snapshot, session: str | None) -> RouteResult:
+        """A message too short to route: skipped, with the session's plan (tap changes since)."""
         min_chars = snapshot.router.min_chars
-        text, long_enough = clean_message(message, min_chars)
-        if not long_enough:
-            decision = Decision("skipped", f"too short: fewer than {min_chars} characters after removing tags")
-            return RouteResult(decision, self._session_plan(session))
-        return snapshot, text
+        return RouteResult(Decision("skipped", f"too short: fewer than {min_chars} characters after removing tags"),
+                           self._session_plan(session))
 
     def _decide(self, snapshot: Snapshot, text: str, vector: Vectors, session: str | None,
                 tokens: TokenVectors | None = None) -> RouteResult:
@@ -550,10 +559,16 @@ class Service:
             return RouteResult(router.decide(vector, (), text, tokens))
         with self.registry.locked(session):
             decision = router.decide(vector, self.registry.active_names(session), text, tokens)
+            plan = None
             if decision.decision in ("activate", "already_active") and decision.capability is not None:
                 # already active: routed to again, it is about to be used, so its last_used is refreshed
-                plan = self.registry.activate(session, decision.capability, "auto")
-            else:
+                try:
+                    plan = self.registry.activate(session, decision.capability, "auto")
+                except UnknownCapability:  # a reload removed it between this decision and now
+                    decision = Decision("abstain", f"{decision.capability} was removed by a tap reload while this "
+                                        "message was routed", decision.capability, decision.score, decision.margin,
+                                        decision.candidates)
+            if plan is None:
                 plan = self.registry.reconcile(session)
             self.corrections.routed(session, text, decision.decision, decision.capability)
         return RouteResult(decision, plan)

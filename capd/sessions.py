@@ -213,6 +213,7 @@ class SessionRegistry:
         self._locks: dict[str, _LockEntry] = {}
         self._locks_guard = threading.Lock()
         self._degraded = False
+        self._drop_invalid_ids()
         # Called as on_manual(session, name) after a manual activation that made name active, and as
         # on_disable(session, name) after a disable that removed an active capability (capd.learned listens).
         self.on_manual: Callable[[str, str], None] | None = None
@@ -350,6 +351,17 @@ class SessionRegistry:
         return expired
 
     # -- internals ---------------------------------------------------------------------------------
+    def _drop_invalid_ids(self) -> None:
+        """Drop stored sessions whose id is no longer valid (``.`` and ``..``, which capd accepted
+        before ids had to hold a character other than a dot): no request can name them, and every
+        walk over the store (the idle sweep, ``/metrics``'s session count) failed on them."""
+        for session in self.store.ids():
+            try:
+                check_session_id(session)
+            except InvalidSessionId:
+                log.warning("dropped stored session %r: not a valid session id (any more)", session)
+                self._persist(self.store.delete, session)
+
     def _record(self, session: str) -> SessionRecord | None:
         """The session's record; None if there is none or it has been idle past ``ttl`` (left for
         the sweep or the next plan, which tears its capabilities down: see the module docstring)."""

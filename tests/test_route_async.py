@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,65 @@ def test_aroute_matches_route_with_the_fused_second_stage(settings_factory: Sett
     finally:
         for service in services:
             service.close()
+
+
+def test_a_message_too_short_to_route_writes_its_session_off_the_event_loop(
+        settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """Its plan (a session store write) ran on the event loop: with another process holding
+    sessions.sqlite3 the write waited half a second, and every request in the daemon with it."""
+    from tests.conftest import file_held
+
+    service = _service(settings_factory, tmp_path, "tap")
+    assert service.registry is not None
+
+    async def longest_stall(message: str) -> tuple[float, str]:
+        stalls: list[float] = []
+        done = False
+
+        async def tick() -> None:  # how long the loop goes without running it, every 5 ms asked
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                stalls.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        result = await service.aroute(message, "s")
+        done = True
+        await ticker
+        return max(stalls), result.decision.decision
+
+    try:
+        service.registry.activate("s", "database-postgres")
+        with file_held(service.registry.store.path):  # every write waits for it, then fails
+            stall, decision = asyncio.run(longest_stall("hi"))
+        assert decision == "skipped" and stall < 0.2, stall
+    finally:
+        service.close()
+
+
+def test_a_capability_removed_while_its_message_is_routed_is_an_abstain(
+        settings_factory: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload between the decision (the old index) and the activation (the new catalog) raised
+    UnknownCapability: `POST /v1/route` answered 404 unknown_capability for a valid request."""
+    from capd.router import Router
+
+    tap = octomind_tap(tmp_path / "tap")
+    service = Service(settings_factory(taps=(tap,)), sessions=True).start()
+    decide = Router.decide
+
+    def decide_then_reload(router: Router, *args: object, **kwargs: object) -> object:
+        decision = decide(router, *args, **kwargs)  # type: ignore[arg-type]
+        shutil.rmtree(tap / "capabilities" / "database-postgres")  # the tap drops it at that moment
+        service.reload()
+        return decision
+
+    monkeypatch.setattr(Router, "decide", decide_then_reload)
+    try:
+        result = asyncio.run(service.aroute("please run a query on the postgres database", "s"))
+        assert result.decision.decision == "abstain" and "removed by a tap reload" in result.decision.reason
+        assert result.plan is not None and result.plan.as_dict()["active"] == []
+    finally:
+        service.close()

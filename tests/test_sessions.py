@@ -589,3 +589,22 @@ def test_one_session_is_serialised_others_proceed(make: Make) -> None:
     for thread in threads:
         thread.join(5)
     assert registry.active_names("a") == ("git",)
+
+
+def test_stored_ids_an_older_capd_accepted_are_dropped(tmp_path: Path, catalogs: Catalogs) -> None:
+    """"." and ".." were valid ids once. Left in the file, every walk over the store raised
+    InvalidSessionId: no idle session was ever swept, and `/metrics` answered 400 on every call."""
+    from capd.state import ActiveCapability, SessionRecord
+
+    with SessionStore(tmp_path / FILENAME) as store:
+        for session in (".", "..", "agent-1"):
+            store.put(SessionRecord(session, 1000.0, 1, (ActiveCapability("git", "auto", 0, 1000.0),)))
+    store = SessionStore(tmp_path / FILENAME)
+    registry = SessionRegistry(store, catalogs, clock=Clock(1000.0 + 10 * 86400))  # idle for ten days
+    try:
+        assert registry.store.ids() == ("agent-1",)
+        assert registry.sessions() == () and registry.expire() == ["agent-1"]
+    finally:
+        store.close()
+    with SessionStore(tmp_path / FILENAME) as reopened:  # dropped from the file, not only from memory
+        assert reopened.ids() == ()
