@@ -302,6 +302,8 @@ def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd"
         reread: dict[str, Any] | None = tomllib.loads(new.removeprefix("\ufeff"))
     except tomllib.TOMLDecodeError:
         reread = None
+    if stale is not None and reread is not None:
+        _drop_emptied(expected, reread, stale)
     if reread is None or not toml_edit.same(reread, expected):
         raise TapFileError(path, "capd cannot update it in place without changing what else it says; write the "
                                  "gates as [gates] and [gates.fused] tables with one `key = value` line per gate, "
@@ -389,6 +391,16 @@ def _editor(path: Path, text: str, tables: tuple[KeyPath, ...]) -> toml_edit.Edi
                                  "[gates.fused] tables with one `key = value` line per gate, then calibrate again",
                            toml_edit.line_of(edit.text, blocking.start))
     return edit
+
+
+def _drop_emptied(expected: dict[str, Any], reread: dict[str, Any], path: KeyPath) -> None:
+    """A stale table written only as dotted keys (``fused.threshold = …`` under ``[gates]``) is gone
+    once its gate lines are: expect it gone, not as an empty table (one with a header of its own stays)."""
+    parent, found = expected, reread
+    for part in path[:-1]:
+        parent, found = parent.get(part, {}), found.get(part, {})
+    if parent.get(path[-1]) == {} and path[-1] not in found:
+        del parent[path[-1]]
 
 
 def _table(data: dict[str, Any], path: KeyPath) -> dict[str, Any]:

@@ -536,6 +536,22 @@ def test_write_gates_edits_the_shapes_people_write(tmp_path: Path, before: str, 
     assert (tap / "capd.toml").read_bytes().decode() == after
 
 
+@pytest.mark.parametrize(("before", "rule", "after"), [
+    ('model = "old"\n[gates]\nthreshold = 0.4\nfused.threshold = -0.3\nfused.coverage = 0.4\n', "capd",
+     f'model = "{MODEL}"\n[gates]\nthreshold = 0.47\nmargin = 0.05\ntop_k = 2\n'),
+    ('model = "old"\ngates.fused.threshold = -0.3\n[other]\nx = 1\n', "capd",
+     f'model = "{MODEL}"\ngates.threshold = 0.47\ngates.margin = 0.05\ngates.top_k = 2\n[other]\nx = 1\n'),
+    ('model = "old"\n[gates]\nthreshold = 0.4\n[gates.fused]\nthreshold = -0.3\n', "capd",  # its header stays
+     f'model = "{MODEL}"\n[gates]\nthreshold = 0.47\nmargin = 0.05\ntop_k = 2\n[gates.fused]\n'),
+])
+def test_write_gates_drops_a_stale_dotted_table_whole(tmp_path: Path, before: str, rule: str, after: str) -> None:
+    """Gates fitted for another model written as dotted keys: deleting their lines removes the table,
+    which the read-back check expected as an empty one, so --write refused a shape it supports."""
+    tap = _tap_file(tmp_path, before)
+    write_gates(tap, CAPD_POINT, MODEL, rule)
+    assert (tap / "capd.toml").read_text() == after
+
+
 @pytest.mark.parametrize(("text", "rule", "reason"), [
     ("[gates\nthreshold = 0.5\n", "capd", "cannot update it (Expected ']'"),  # does not parse
     ('gates = { threshold = 0.5, top_k = 2 }\n', "capd", "line 1: `gates = …` holds the gates in one value"),
