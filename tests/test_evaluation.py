@@ -593,3 +593,23 @@ def test_calibrate_write_that_cannot_write_is_a_clear_error(tmp_path: Path, monk
                                        "--max-wrong", "1", *_hash(tmp_path)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "capd.toml: cannot write it: Operation not permitted; nothing was changed" in result.output
+
+
+def test_split_keeps_a_message_and_its_tagged_copies_on_one_side() -> None:
+    """The split hashed the raw message, so `<context>…</context> open the file` could be held out
+    while `open the file`, the same text to the router, was fitted on."""
+    import hashlib
+
+    def held(text: str) -> bool:
+        return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) % 1000 < 300
+
+    plain = "open the file and read what is inside it"
+    copies = (f"<context>note {i}</context> {plain}" for i in range(100))
+    tagged = next(c for c in copies if held(c) != held(plain))  # a copy the old split put on the other side
+    other = "my cat likes to sleep on the sofa all afternoon"
+    rows = [Fixture(plain, ("filesystem-read",), "positive", "f:1"),
+            Fixture(tagged, ("filesystem-read",), "tagged", "f:2"), Fixture(other, (), "null", "f:3")]
+    _, held_out = split(rows)
+    sides = {i: i in set(held_out.tolist()) for i in range(3)}
+    assert sides[0] == sides[1]
+    assert sides[2] == held(other)  # a row with no tagged copy keeps the side of its own message
