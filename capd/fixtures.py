@@ -85,7 +85,8 @@ def load_fixtures(paths: Iterable[Path]) -> list[Fixture]:
         try:
             text = data.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
-            where = data[: exc.start].count(b"\n") + 1
+            read = data[: exc.start]
+            where = read.count(b"\n") + read.count(b"\r") - read.count(b"\r\n") + 1  # \n, \r\n or \r
             raise FixtureError(path, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", where) from None
         for number, line in enumerate(_LINE_END.split(text), start=1):
             if line.strip() and not line.lstrip().startswith("#"):

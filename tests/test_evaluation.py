@@ -173,9 +173,11 @@ def test_fixture_errors_name_file_and_line(tmp_path: Path) -> None:
     path.write_text('{"message": "show the commits", "kind": "positive"}\n')
     with pytest.raises(FixtureError, match="line 1: missing 'expect'"):
         load_fixtures([path])
-    path.write_bytes(b'{"message": "fine", "expect": null}\n{"message": "caf\xe9", "expect": null}\n')
-    with pytest.raises(FixtureError, match=r"line 2: not UTF-8 text \(byte 0xe9\)"):
-        load_fixtures([path])
+    for end in (b"\n", b"\r\n", b"\r"):  # every line end the reader takes (old Mac ones were counted as none)
+        path.write_bytes(end.join([b'{"message": "fine", "expect": null}', b'{"message": "ok", "expect": null}',
+                                   b'{"message": "caf\xe9", "expect": null}', b""]))
+        with pytest.raises(FixtureError, match=r"line 3: not UTF-8 text \(byte 0xe9\)"):
+            load_fixtures([path])
 
 
 def test_fixture_files_without_a_row_are_an_error(tmp_path: Path) -> None:
