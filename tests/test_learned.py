@@ -559,3 +559,13 @@ def test_export_is_valid_toml_whatever_it_holds(tmp_path: Path) -> None:
     assert exported[f"filesystem-read @ {second.resolve()}"]["file"] == str(second.resolve() / "capabilities"
                                                                              / "filesystem-read")
     assert exported["git"]["add_triggers"] == ["undo that commit"]  # a name learned for one tap keeps its plain key
+
+
+def test_learned_commands_do_not_create_a_mistyped_data_directory(tmp_path: Path) -> None:
+    """They created the directory and an empty learned.sqlite3 there, and reported 0 as if all was well."""
+    typo = tmp_path / "no" / "such" / "dir"
+    for args in (["list"], ["export"], ["forget", "docker"]):
+        result = CliRunner().invoke(main, ["learned", *args, "--data-dir", str(typo)], env={"CAPD_PORT": "1"})
+        assert result.exit_code == 0, result.output
+        assert f"no learned corrections in {typo}" in result.stderr
+    assert not (tmp_path / "no").exists()

@@ -20,12 +20,18 @@ from capd.cli.common import (
 )
 from capd.cli.daemon_cmds import client_for
 from capd.errors import ClientError
-from capd.learned import Learned, LearnedStore, canonical_tap
+from capd.learned import FILE_NAME, Learned, LearnedStore, canonical_tap
 from capd.settings import Settings
 
 
 def _store(settings: Settings) -> LearnedStore:
-    return LearnedStore.open(settings.data_dir)
+    """The data directory's store; an empty one in memory when it has none, so that a mistyped
+    ``--data-dir`` is said (stderr) and not created with an empty file in it."""
+    path = settings.data_dir / FILE_NAME
+    if not path.exists():
+        click.echo(f"capd: no learned corrections in {settings.data_dir} (no {FILE_NAME} there)", err=True)
+        return LearnedStore(None)
+    return LearnedStore(path)
 
 
 def _tap(tap: Path | None) -> str | None:
