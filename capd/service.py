@@ -98,7 +98,9 @@ class Service:
         self._want_learning = (sessions and settings.learn) if learn is None else learn
         self.learned: LearnedStore | None = None
         self.corrections = Corrections()
-        self._learn_timer: threading.Timer | None = None
+        self._learn_timer: threading.Timer | None = None  # the learning pass waiting or under way
+        self._learn_guard = threading.Lock()  # for the two fields: never held while routing or publishing
+        self._learn_wanted = 0  # corrections recorded so far (a pass routes with all it finds)
         # what the served snapshot was built from: the learned file's data_version when it was read,
         # and the learned (triggers, abstains) read then (refresh_learned compares against both)
         self._learned_version: int | None = None
@@ -200,8 +202,9 @@ class Service:
     def close(self) -> None:
         self._closed = True
         self.tuner.close()
-        if self._learn_timer is not None:
-            self._learn_timer.cancel()
+        with self._learn_guard:
+            if self._learn_timer is not None:
+                self._learn_timer.cancel()
         if self._snapshot is None:  # still starting: stop its embedding at the next batch, not after them all
             self._close_encoder(self.encoder)
         with self._lock:  # a reload or learning pass already under way finishes before its stores close
@@ -430,12 +433,33 @@ class Service:
             self._schedule_learning()
 
     def _schedule_learning(self) -> None:
-        with self._lock:
-            if self._learn_timer is not None and self._learn_timer.is_alive():
+        """Route with a correction just recorded, after LEARN_DELAY (corrections come in bursts).
+
+        One learning pass at a time; one waiting or under way takes this correction too: it checks,
+        before it ends, whether any came in while it published (a publish can refit for seconds),
+        and goes again if so. Only ``_learn_guard`` is taken here, never the service's lock, so an
+        enable does not wait for a publish either."""
+        with self._learn_guard:
+            self._learn_wanted += 1
+            if self._learn_timer is not None or self._closed:
                 return
-            self._learn_timer = threading.Timer(LEARN_DELAY, self.apply_learned)
+            self._learn_timer = threading.Timer(LEARN_DELAY, self._learning_pass)
             self._learn_timer.daemon = True
             self._learn_timer.start()
+
+    def _learning_pass(self) -> None:
+        while True:
+            with self._learn_guard:
+                seen = self._learn_wanted
+            try:
+                self.apply_learned()
+            except Exception:  # logged; the next correction schedules another pass
+                log.exception("could not route with the learned corrections")
+                seen = -1
+            with self._learn_guard:
+                if self._learn_wanted == seen or seen < 0 or self._closed:
+                    self._learn_timer = None
+                    return
 
     def apply_learned(self) -> int:
         """Route with the learned examples recorded so far (blocking); returns how many are in effect."""

@@ -569,3 +569,42 @@ def test_learned_commands_do_not_create_a_mistyped_data_directory(tmp_path: Path
         assert result.exit_code == 0, result.output
         assert f"no learned corrections in {typo}" in result.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_a_correction_recorded_while_a_learning_pass_publishes_is_routed_with(
+        settings_factory: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second pass was not scheduled while the first one's thread was alive, and the first had
+    read the corrections before this one came in: it stayed unused until the next correction (a
+    daemon's own corrections do not count as a change of the file). A fused refit takes seconds,
+    and the enable waited for it: scheduling took the lock the publish holds."""
+    import threading
+    import time
+
+    from capd import service as service_module
+
+    monkeypatch.setattr(service_module, "LEARN_DELAY", 0.05)
+    tap = octomind_tap(tmp_path / "tap")
+    with closing(Service(settings_factory(taps=(tap,)), sessions=True, learn=True).start()) as service:
+        assert service.registry is not None
+        publishing, go_on = threading.Event(), threading.Event()
+        publish = service._publish
+
+        def slow_publish(*args: Any, **kwargs: Any) -> Any:
+            publishing.set()
+            go_on.wait(5)
+            return publish(*args, **kwargs)
+
+        monkeypatch.setattr(service, "_publish", slow_publish)
+        service.route(PLACELESS, "a")
+        service.registry.activate("a", "filesystem-read", "manual")  # the first correction: a pass starts
+        assert publishing.wait(5)
+        service.route(PLACELESS, "b")
+        enable = threading.Thread(target=service.registry.activate, args=("b", "filesystem-write", "manual"))
+        enable.start()  # recorded while that pass publishes ...
+        enable.join(3)
+        assert not enable.is_alive()  # ... and it does not wait for the publish (it took the service's lock)
+        go_on.set()
+        deadline = time.monotonic() + 5
+        while "filesystem-write" not in service._learned_in_use[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service._learned_in_use[0] == {"filesystem-read": (PLACELESS,), "filesystem-write": (PLACELESS,)}
