@@ -334,7 +334,7 @@ class TriggerIndex:
         if old is not None:
             self._dead += old.count
         count = len(texts)
-        self._reserve(count)
+        self._reserve(count, replacing=name if old is not None else None)
         start = self._used
         self._matrix[start:start + count] = array  # rows no published snapshot covers
         self._used += count
@@ -347,24 +347,31 @@ class TriggerIndex:
         self._dead += block.count
         return True
 
-    def _reserve(self, count: int) -> None:
+    def _reserve(self, count: int, replacing: str | None = None) -> None:
+        """Make room for ``count`` more rows; ``replacing`` names a block already counted dead."""
         capacity = self._matrix.shape[0]
         if self._used + count <= capacity:
             return
         live = self._used - self._dead
         if self._dead > live:
-            self._compact(count)
+            self._compact(count, replacing)
             return
         grown = np.empty((max(2 * capacity, self._used + count, 64), self.dim), dtype=np.float32)
         grown[: self._used] = self._matrix[: self._used]
         self._matrix = grown
 
-    def _compact(self, extra: int = 0) -> None:
-        """Copy the live blocks into a new array, in capability order; old snapshots keep the old one."""
+    def _compact(self, extra: int = 0, replacing: str | None = None) -> None:
+        """Copy the live blocks into a new array, in capability order; old snapshots keep the old one.
+
+        ``replacing`` is a block being rewritten (its rows already counted dead): it is not
+        copied, and its entry keeps its place in the order for the caller to overwrite.
+        """
         live = self._used - self._dead
         fresh = np.empty((max(64, (live + extra) * 3 // 2), self.dim), dtype=np.float32)
         cursor = 0
         for name, block in list(self._blocks.items()):
+            if name == replacing:
+                continue
             fresh[cursor:cursor + block.count] = self._matrix[block.start:block.start + block.count]
             self._blocks[name] = _Block(block.name, block.fingerprint, block.texts, cursor, block.count)
             cursor += block.count

@@ -142,6 +142,28 @@ def test_compaction_keeps_results_exact(monkeypatch: pytest.MonkeyPatch) -> None
                                reference_scores(caps, index.names, queries, 3), atol=2e-6)
 
 
+@pytest.mark.parametrize(("big", "after"), [(40, 40), (50, 1), (50, 3)])
+def test_replacing_a_block_that_forces_compaction(big: int, after: int) -> None:
+    """A capability rewritten when its old rows outnumber the live ones: the old block is not
+    copied as live, the new one lands inside the array, and capability order is kept."""
+    rng = np.random.default_rng(big + after)
+    caps = {"big": rng.normal(size=(big, 16)).astype(np.float32)}
+    if after < big:
+        caps["small"] = rng.normal(size=(14, 16)).astype(np.float32)
+    index = TriggerIndex(16)
+    for name, vectors in caps.items():
+        put(index, name, vectors)
+    for _ in range(3):  # each rewrite must leave a sound index for the next
+        caps["big"] = rng.normal(size=(after, 16)).astype(np.float32)
+        put(index, "big", caps["big"], fp="fp2")
+        assert index.names == tuple(caps) and index.trigger_count == sum(len(v) for v in caps.values())
+        queries = rng.normal(size=(5, 16)).astype(np.float32)
+        np.testing.assert_allclose(index.capability_scores(queries, 3),
+                                   reference_scores(caps, index.names, queries, 3), atol=2e-6)
+        want = reference_top(caps, index.names, queries[0], 3, 2)
+        assert_same_ranking(index.top_capabilities(queries[0], 3, 2), want)
+
+
 def test_similarities_top_triggers_and_errors() -> None:
     index = TriggerIndex(3)
     index.set_capability("a", "f", ["x", "y"], np.array([[1, 0, 0], [0, 1, 0]], dtype=np.float32))
