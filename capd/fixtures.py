@@ -41,6 +41,8 @@ def _parse_line(path: Path, number: int, line: str) -> Fixture:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise FixtureError(path, f"invalid JSON: {exc.msg}", number) from None
+    except RecursionError:  # json recurses per nested array or object
+        raise FixtureError(path, "invalid JSON: arrays or objects nested too deeply to read", number) from None
     if not isinstance(row, dict):
         raise FixtureError(path, "each line must be a JSON object", number)
     unknown = sorted(set(row) - set(KEYS))

@@ -185,6 +185,8 @@ def load_manifest(path: Path) -> ModelManifest:
         raise ModelError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ModelError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ModelError(f"{path}: invalid TOML: arrays or inline tables nested too deeply to read") from None
     r = _Reader(path, table)
     kind = r.get("source.kind", str, required=True)
     if kind not in ("package", "path", "hub"):

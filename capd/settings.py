@@ -335,6 +335,8 @@ def read_config_file(path: Path) -> dict[str, object]:
         raise ConfigError(str(path), None, f"cannot read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), None, f"invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(str(path), None, "invalid TOML: arrays or inline tables nested too deeply to read") from None
     table = raw.get("capd", raw)
     if not isinstance(table, dict):
         raise ConfigError(str(path), "capd", "must be a table")

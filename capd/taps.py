@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import stat
@@ -144,6 +145,25 @@ def _parse(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
             where = max(1, text.count("\n") + (0 if text.endswith("\n") else 1))
         reason = _TOML_POS.sub("", message).replace(" (at end of document)", " at the end of the file")
         raise TapFileError(path, f"invalid TOML: {reason}", where) from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise TapFileError(path, "invalid TOML: arrays or inline tables nested too deeply to read",
+                           _deepest_line(text)) from None
+
+
+def _deepest_line(text: str) -> int | None:
+    """The line where brackets first nest deeper than any tap needs (comments and strings are
+    not told apart: a hint for the author, used only once the parser has given up)."""
+    depth, line = 0, 1
+    for char in text:
+        if char in "[{":
+            depth += 1
+            if depth > 100:
+                return line
+        elif char in "]}":
+            depth -= 1
+        elif char == "\n":
+            line += 1
+    return None
 
 
 def _line_of(text: str, key: str, start: int = 0, end: int | None = None) -> int | None:
@@ -231,8 +251,9 @@ def _server(check: _Checker, index: int, table: object) -> ServerSpec:
     entry.strings(table, "args", f"{label}.args")
     entry.strings(table, "tools", f"{label}.tools")
     timeout = table.get("timeout_seconds")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise entry.fail(f"{label}.timeout_seconds", "must be a positive number")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < math.inf):  # NaN fails this too
+        raise entry.fail(f"{label}.timeout_seconds", "must be a positive, finite number of seconds")
     env = table.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise entry.fail(f"{label}.env", "must be a table of strings")
@@ -363,7 +384,7 @@ def load_capability(tap: Path, directory: Path,
 
 def load_tap_config(tap: Path) -> tuple[TapConfig | None, list[Problem]]:
     path = tap / TAP_CONFIG
-    if not path.exists():
+    if not os.path.lexists(path):  # a link to nothing is an error to report, not a missing file
         return None, []
     try:
         table, text, _ = parse_toml(path, tap)
@@ -392,6 +413,10 @@ def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any],
             gates[key] = value
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise check.fail(f"{where}.{key}", "must be a number")
+        elif not math.isfinite(value):
+            raise check.fail(f"{where}.{key}", f"must be a finite number (got {value})")
+        elif key == "top_k" and not (isinstance(value, int) and value >= 1):  # how many triggers' cosines to average
+            raise check.fail(f"{where}.{key}", f"must be a whole number of at least 1 (got {value})")
         elif key == "coverage" and not 0.0 <= value <= 1.0:  # a mean of cosines; above 1 nothing would fire
             raise check.fail(f"{where}.{key}", "must be between 0 and 1 (0 turns the coverage gate off)")
         else:

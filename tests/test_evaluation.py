@@ -228,6 +228,15 @@ def test_a_fixture_message_with_a_lone_surrogate_names_its_line(tmp_path: Path) 
         load_fixtures([path])
 
 
+def test_a_fixture_row_nested_too_deeply_names_its_line(tmp_path: Path) -> None:
+    """json's RecursionError came out of eval / test / calibrate as a traceback."""
+    path = tmp_path / "f.jsonl"
+    path.write_text('{"message": "fine", "expect": null}\n{"message": "x", "expect": ' + "[" * 5000 + "]" * 5000
+                    + "}\n")
+    with pytest.raises(FixtureError, match=r"f.jsonl: line 2: invalid JSON: arrays or objects nested too deeply"):
+        load_fixtures([path])
+
+
 def test_calibrate_without_a_positive_to_fit_on_recommends_and_writes_nothing(
         tmp_path: Path, settings_factory: SettingsFactory) -> None:
     """Every point tied at fired_right 0 and the tie went to the gates that fire least: --write stored

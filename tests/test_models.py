@@ -89,6 +89,7 @@ def test_shipped_manifests() -> None:
     ("dim = 384\nnormalize = 1\n[source]\nkind = 'package'\nvalue = 'x'\n", "normalize"),
     ("dim = 384\n[source]\nkind = 'package'\nvalue = 'x'\n[gates]\nthreshold = true\n", "gates.threshold"),
     ("dim = 384\n[source\n", None),
+    ("dim = " + "[" * 3000 + "]" * 3000 + "\n", None),  # was a RecursionError traceback
 ])
 def test_bad_manifests_name_file_and_key(tmp_path: Path, body: str, key: str | None) -> None:
     path = _write_manifest(tmp_path, "broken", body)

@@ -53,6 +53,7 @@ def test_taps_env_uses_pathsep(tmp_path: Path) -> None:
         ("threshold = 3\n", "threshold", "between -1 and 1"),
         ("coverage = -0.2\n", "coverage", "between 0 and 1"),
         ("port = [\n", None, "invalid TOML"),
+        ("port = " + "[" * 3000 + "]" * 3000 + "\n", None, "nested too deeply"),
     ],
 )
 def test_bad_config_names_file_key_reason(tmp_path: Path, text: str, key: str | None, reason: str) -> None:

@@ -117,7 +117,7 @@ def test_broken_files_are_reported_and_skipped(tmp_path: Path) -> None:
     assert "limited to" in by_cap["huge"].reason
     assert "binary" in by_cap["binary"].reason
     assert "UTF-8" in by_cap["latin1"].reason and by_cap["latin1"].line == 1
-    assert "timeout_seconds must be a positive number" in by_cap["bad-server"].reason
+    assert "timeout_seconds must be a positive, finite number" in by_cap["bad-server"].reason
     assert by_cap["bad-server"].line == 3
 
 
@@ -130,6 +130,12 @@ SCHEMA_MISTAKES = [
     ("p.toml", "[mcp]\nservers = [3]\n", "mcp.servers entry 0 must be a table", 2),
     ("p.toml", '[[mcp.servers]]\nname = "db"\ncommand = 5\n', "mcp.servers[0].command must be a string", 3),
     ("p.toml", '[[mcp.servers]]\nname = "db"\nenv = { A = 1 }\n', "mcp.servers[0].env must be a table of strings", 3),
+    ("p.toml", '[[mcp.servers]]\nname = "db"\ntimeout_seconds = inf\n',
+     "mcp.servers[0].timeout_seconds must be a positive, finite number of seconds", 3),
+    ("p.toml", '[[mcp.servers]]\nname = "db"\ntimeout_seconds = nan\n',
+     "mcp.servers[0].timeout_seconds must be a positive, finite number of seconds", 3),
+    ("config.toml", 'description = "deep"\ntriggers = ' + "[" * 3000 + "]" * 3000 + "\n",
+     "invalid TOML: arrays or inline tables nested too deeply to read", 2),
     ("config.toml", 'triggers = ["a real trigger", "  "]\n', "triggers must not contain empty strings", 1),
     ("config.toml", 'triggers = ["a real trigger"]\ndescription = 5\n', "description must be a string", 2),
 ]
@@ -226,6 +232,42 @@ def test_tap_gates_file(tmp_path: Path) -> None:
     errors = load_catalog([tap]).errors
     assert [(p.line, "must be true or false" in p.reason) for p in errors if p.file.endswith("capd.toml")] == [
         (3, True)]
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("top_k = 0", "gates.top_k must be a whole number of at least 1 (got 0)"),
+    ("top_k = 2.7", "gates.top_k must be a whole number of at least 1 (got 2.7)"),
+    ("top_k = -1", "gates.top_k must be a whole number of at least 1 (got -1)"),
+    ("top_k = nan", "gates.top_k must be a finite number (got nan)"),
+    ("threshold = nan", "gates.threshold must be a finite number (got nan)"),
+    ("margin = inf", "gates.margin must be a finite number (got inf)"),
+    ("[gates.fused]\nthreshold = -inf", "gates.fused.threshold must be a finite number (got -inf)"),
+])
+def test_gates_that_would_break_routing_are_errors_on_their_line(tmp_path: Path, text: str, reason: str) -> None:
+    tap = octomind_tap(tmp_path)
+    (tap / "capd.toml").write_text(f"[gates]\nabstain_corpus = true\n{text}\n")
+    catalog = load_catalog([tap])
+    (problem,) = catalog.errors
+    assert (problem.file, problem.line, problem.reason) == (str(tap / "capd.toml"), text.count("\n") + 3, reason)
+    assert tap.absolute() not in catalog.tap_configs and "smalltalk" in catalog  # the model's gates serve
+
+
+@pytest.mark.parametrize("target", ["calibration/capd.toml", "capd.toml"], ids=["dangling", "loop"])
+def test_a_capd_toml_link_to_nothing_is_an_error_not_a_missing_file(tmp_path: Path, target: str) -> None:
+    tap = octomind_tap(tmp_path)
+    (tap / "capd.toml").symlink_to(target)
+    (problem,) = load_catalog([tap]).errors
+    assert problem.file == str(tap / "capd.toml") and ("does not exist" in problem.reason or "loop" in problem.reason)
+    live = LiveTaps([tap])  # the daemon keeps the last good gates when the link's target goes
+    (tap / "capd.toml").unlink()
+    (tap / "calibration").mkdir()
+    (tap / "calibration" / "capd.toml").write_text("[gates]\nthreshold = 0.5\n")
+    (tap / "capd.toml").symlink_to("calibration/capd.toml")
+    assert dict(live.load().tap_configs[tap.absolute()].gates) == {"threshold": 0.5}
+    (tap / "calibration" / "capd.toml").unlink()
+    catalog = live.load([tap / "calibration" / "capd.toml"])
+    assert dict(catalog.tap_configs[tap.absolute()].gates) == {"threshold": 0.5}
+    assert [p.file for p in catalog.errors] == [str(tap / "capd.toml")]
 
 
 def test_shipped_tap_loads_cleanly() -> None:
