@@ -52,18 +52,41 @@ def _touches(changed: Path, path: Path) -> bool:
     return changed == path or path in changed.parents or changed in path.parents
 
 
+def _located(path: str) -> Path:
+    """Where ``path`` itself lives: its folder resolved, its last name kept (a link stays a link)."""
+    head, name = os.path.split(os.path.normpath(path))
+    return Path(os.path.realpath(head or ".")) / name
+
+
+def _chain(path: str) -> list[Path]:
+    """The links ``path`` (a symlink) passes through and the real path it ends at: a capability
+    reloads when any of them changes (``default.toml -> shared/current.toml -> versions/v2.toml``)."""
+    out: list[Path] = []
+    hop = path
+    for _ in range(40):  # the kernel's own limit on links followed
+        try:
+            target = os.readlink(hop)
+        except OSError:  # not a link (the end), or gone
+            break
+        hop = str(_located(os.path.join(os.path.dirname(hop), target)))
+        out.append(Path(hop))
+    out.append(Path(os.path.realpath(path)))
+    return out
+
+
 def _linked(directory: Path) -> tuple[Path, ...]:
-    """The real paths ``directory`` (a symlink to a folder) or its files (symlinks) stand for."""
+    """The paths ``directory`` (a symlink to a folder) or its files (symlinks) stand for: every
+    link on the way and where each ends."""
     out: list[Path] = []
     try:
         if directory.is_symlink():
-            out.append(Path(os.path.realpath(directory)))
+            out.extend(_chain(str(directory)))
         for entry in os.scandir(directory):
             if entry.is_symlink():
-                out.append(Path(os.path.realpath(entry.path)))
+                out.extend(_chain(entry.path))
     except OSError:  # an unreadable folder: its load reported it
         pass
-    return tuple(out)
+    return tuple(dict.fromkeys(out))
 
 
 class LiveTaps:
@@ -76,7 +99,8 @@ class LiveTaps:
     def load(self, changed: Iterable[Path] | None = None) -> Catalog:
         """Rescan everything (``changed`` None) or only the capability folders ``changed`` touches."""
         targets = None if changed is None else {Path(p).absolute() for p in changed}
-        real_targets = None if targets is None else {Path(os.path.realpath(t)) for t in targets}
+        real_targets = None if targets is None else ({Path(os.path.realpath(t)) for t in targets}
+                                                     | {_located(str(t)) for t in targets})
         loads: list[TapLoad] = []
         for tap in self.taps:
             state = self._states.setdefault(tap, _TapState())

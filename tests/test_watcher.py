@@ -92,6 +92,33 @@ def test_an_edit_reaches_the_folders_that_link_to_it(tmp_path: Path) -> None:
     assert {catalog.capabilities[n].triggers for n in report["changed"]} == {("how fast can an ostrich run",)}
 
 
+def test_retargeting_a_link_in_the_middle_of_a_chain_reloads_what_ends_there(tmp_path: Path) -> None:
+    """A file (``default.toml``) and a capability folder, each a link to a link that is retargeted:
+    the event names the middle link, whose old and new targets are neither link's old real path."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    for version in ("v1", "v2"):
+        (tap / "versions" / f"cap-{version}").mkdir(parents=True)
+        (tap / "versions" / f"{version}.toml").write_text(f"# Title: Postgres {version}\n{POSTGRES_PROVIDER}")
+        (tap / "versions" / f"cap-{version}" / "config.toml").write_text(f'triggers = ["release {version} notes"]\n')
+    (tap / "shared").mkdir()
+    os.symlink("../versions/v1.toml", tap / "shared" / "current.toml")
+    os.symlink("../versions/cap-v1", tap / "shared" / "cap-current")
+    folder = write_capability(tap, "pg", ["query the postgres database"])
+    os.symlink("../../shared/current.toml", folder / "default.toml")
+    os.symlink("../shared/cap-current", tap / "capabilities" / "notes")
+    watcher.apply_changes([folder, tap / "capabilities" / "notes"])
+    assert service.catalog_now().capabilities["pg"].title == "Postgres v1"
+    for link, target in (("current.toml", "../versions/v2.toml"), ("cap-current", "../versions/cap-v2")):
+        (tap / "shared" / link).unlink()
+        os.symlink(target, tap / "shared" / link)
+    report = watcher.apply_changes([tap / "shared" / "current.toml", tap / "shared" / "cap-current"])
+    assert sorted(report["changed"]) == ["notes", "pg"]
+    catalog = service.catalog_now()
+    assert catalog.capabilities["pg"].title == "Postgres v2"
+    assert catalog.capabilities["notes"].triggers == ("release v2 notes",)
+
+
 def test_a_broken_capd_toml_keeps_the_last_good_gates(tmp_path: Path) -> None:
     service, tap = _service(tmp_path)
     watcher = TapWatcher(service)
