@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,7 +117,15 @@ def tools_for_server(allowed_tools: tuple[str, ...], server: str) -> tuple[str, 
 
 
 def tool_allowed(tools: tuple[str, ...], tool: str) -> bool:
-    return "*" in tools or tool in tools
+    """Whether ``tool`` is one of ``tools``: names, or patterns where ``*`` stands for any run of
+    characters (``*`` = every tool; ``agent_*``, as octomind's taps write it, = those starting so)."""
+    return any(_tool_matches(pattern, tool) for pattern in tools)
+
+
+def _tool_matches(pattern: str, tool: str) -> bool:
+    if "*" not in pattern:
+        return pattern == tool
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), tool, re.DOTALL) is not None
 
 
 @dataclass(frozen=True)

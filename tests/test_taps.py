@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from capd.catalog import tools_for_server
+from capd.catalog import tool_allowed, tools_for_server
 from capd.live_taps import LiveTaps
 from capd.settings import default_taps
 from capd.taps import MAX_FILE_BYTES, load_catalog
@@ -51,6 +51,15 @@ def test_allowed_tools_resolution() -> None:
     assert tools_for_server(("a:x",), "b") == ()
     assert tools_for_server((), "a") == ("*",)
     assert tools_for_server(("plain",), "a") == ("plain",)
+    assert tools_for_server(("agent_*",), "agent") == ("agent_*",)  # octomind's own taps write these
+
+
+def test_tool_patterns_match_tool_names() -> None:
+    assert tool_allowed(("*",), "anything") and tool_allowed(("read_file",), "read_file")
+    assert tool_allowed(("agent_*",), "agent_delegate") and tool_allowed(("agent_*",), "agent_")
+    assert not tool_allowed(("agent_*",), "my_agent_x") and not tool_allowed(("read_file",), "read_files")
+    assert tool_allowed(("*_issue",), "create_issue") and tool_allowed(("gh.*.list",), "gh.repo.list")
+    assert not tool_allowed(("a.c",), "abc") and not tool_allowed((), "read_file")  # no regex leaks through
 
 
 def test_fingerprint_changes_only_with_content(tmp_path: Path) -> None:
