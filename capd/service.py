@@ -40,6 +40,7 @@ from capd.router import (
     Decision,
     Router,
     Vetoes,
+    abstain_corpus,
     example_catalog,
 )
 from capd.sessions import Plan, SessionRegistry
@@ -87,6 +88,26 @@ class RouteResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.decision.as_dict(), "plan": self.plan.as_dict() if self.plan else None}
+
+
+def learned_in_effect(catalog: Catalog, rule: str, store: LearnedStore | None
+                      ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """The learned triggers and abstains that routing ``catalog`` under ``rule`` uses (none under ``anchor``)."""
+    if rule == "anchor" or store is None:
+        return {}, {}
+    return store.for_catalog(catalog), store.for_catalog(catalog, "abstain")
+
+
+def cached_texts(catalog: Catalog, rule: str, store: LearnedStore | None) -> set[str]:
+    """Every text a service routing ``catalog`` under ``rule`` may embed through the vector cache
+    (:meth:`Service._publish`): the examples it indexes, the learned abstains that veto, and the
+    abstain corpus (whether it is used depends on gates). ``capd index --prune`` keeps their vectors, so a text embedded
+    there must be listed here (``tests/test_cli.py``: a restart after a prune embeds nothing)."""
+    learned, refused = learned_in_effect(catalog, rule, store)
+    texts = {t for capability in example_catalog(catalog, rule, learned) for t in capability.triggers}
+    texts.update(message for messages in refused.values() for message in messages)
+    texts.update(abstain_corpus())
+    return texts
 
 
 class Service:
@@ -281,7 +302,8 @@ class Service:
                         ", ".join(unknown))
 
     def _publish(self, catalog: Catalog) -> SyncReport:
-        """Index ``catalog``'s examples for the rule and swap in a router for it (under the lock)."""
+        """Index ``catalog``'s examples for the rule and swap in a router for it (under the lock).
+        What it embeds through the vector cache is :func:`cached_texts`; keep the two in step."""
         assert self.embedder is not None and self.index is not None and self.encoder is not None
         rule = self.settings.rule
         # the version before the entries: a commit made while they are read is seen at the next check
@@ -493,9 +515,7 @@ class Service:
 
     def _learned_in_effect(self, catalog: Catalog) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
         """The learned triggers and abstains that routing ``catalog`` uses (none under ``anchor``)."""
-        if self.settings.rule == "anchor" or self.learned is None:
-            return {}, {}
-        return self.learned.for_catalog(catalog), self.learned.for_catalog(catalog, "abstain")
+        return learned_in_effect(catalog, self.settings.rule, self.learned)
 
     @property
     def auto_gates(self) -> Point | None:

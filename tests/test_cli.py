@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import click
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 from click.testing import CliRunner, Result
@@ -26,10 +28,13 @@ from click.testing import CliRunner, Result
 from capd.api import LEARNED_CHECK_INTERVAL, create_app
 from capd.cli import main
 from capd.client import CapdClient
-from capd.encoder import Encoder
+from capd.encoder import Encoder, HashEncoder
 from capd.errors import ClientError, InvalidSessionId, UnknownCapability, UnknownSession
 from capd.learned import LearnedStore
+from capd.router import abstain_corpus
+from capd.service import Service
 from capd.settings import Settings
+from capd.vectorcache import VectorCache, text_hash
 from tests.conftest import GatedEncoder
 from tests.taputil import octomind_tap, write_capability
 
@@ -357,6 +362,46 @@ def test_index_that_could_not_write_some_vectors_fails(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert (report["persistent"], report["embedded"], report["unstored"]) == (True, 2, 2)
     assert report["stored"] == report["triggers"] - 2
+
+
+def _cached_hashes(data: Path) -> set[str]:
+    with closing(sqlite3.connect(data / "vectors.sqlite3")) as conn:
+        return {row[0] for row in conn.execute("SELECT text_hash FROM vectors")}
+
+
+def test_index_prune_keeps_every_vector_a_daemon_on_the_taps_uses(tmp_path: Path) -> None:
+    """--prune kept only the taps' triggers: a daemon's other texts (the fused rule's descriptions and
+    names, learned corrections, the abstain corpus) were deleted and embedded again at its next start.
+    The daemon here routes with ``fused``, ``capd index`` runs with the default rule (--rule can differ)."""
+    tap, data = tmp_path / "tap", tmp_path / "data"
+    write_capability(tap, "deploy", ["deploy the service", "ship it to production"],
+                     extra_config='description = "Deploy services to the cluster"\n')
+    write_capability(tap, "database-admin", ["query the database", "run sql"])
+    with closing(LearnedStore.open(data)) as learned:
+        learned.record(tap, "deploy", "push the build live")
+        learned.record(tap, "database-admin", "thanks, that is all", kind="abstain")
+    settings = Settings(taps=(tap,), model="hash", data_dir=data, rule="fused", abstain_corpus=True)
+
+    def start() -> int:
+        service = Service(settings, learn=True).start()
+        service.close()
+        return service.counters.embedded
+
+    assert start() == 8  # 4 triggers, a description, 2 names, a learned trigger (the index's count)
+    used = _cached_hashes(data)
+    assert {text_hash(t) for t in ("database admin", "push the build live", "thanks, that is all",
+                                   abstain_corpus()[0])} <= used
+    encoder = HashEncoder()
+    with closing(VectorCache.open(data)) as cache:
+        cache.put_many(encoder.model_id, [(text_hash("a trigger since removed"), np.ones(encoder.dim))])
+    result = _capd("index", "--tap", str(tap), "--model", "hash", "--data-dir", str(data), "--prune", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["pruned"] == 1  # only the stale one
+    assert _cached_hashes(data) == used
+    assert start() == 0 and _cached_hashes(data) == used  # nothing embedded again, the corpus included
+    fresh = tmp_path / "fresh"
+    assert _capd("index", "--tap", str(tap), "--model", "hash", "--data-dir", str(fresh), "--prune").exit_code == 0
+    assert not (fresh / "learned.sqlite3").exists()  # read when there, never created
 
 
 def test_json_output_never_holds_nan(capsys: pytest.CaptureFixture[str]) -> None:

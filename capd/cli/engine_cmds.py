@@ -43,7 +43,8 @@ class _Bar:
 
 @click.command()
 @settings_options
-@click.option("--prune", is_flag=True, help="Also drop this model's cached vectors that no configured tap uses.")
+@click.option("--prune", is_flag=True, help="Also drop this model's cached vectors that nothing on these taps needs "
+              "(what is kept: see above).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
           backend: str | None, prune: bool, as_json: bool) -> None:
@@ -53,6 +54,11 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     vector cache afterwards (a data directory that cannot be written keeps nothing; a full disk
     some), saying so first, as it does when a tap has errors. With `tune = true` (CAPD_TUNE) the
     vectors are the tuned model's (tuned now unless cached), which the daemon routes with.
+
+    --prune also deletes this model's cached vectors that nothing on these taps needs. It keeps
+    those of the triggers and of every other text capd embeds for them under any rule (a command's
+    --rule may differ from the daemon's): the capabilities' descriptions and names (`fused`), the
+    corrections learned in this data directory, and the abstain corpus. Other models' vectors stay.
 
     Example: capd index --tap taps/core --prune
     """
@@ -72,7 +78,7 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
         report = TriggerIndex(encoder.dim).sync(catalog, CachedEmbedder(encoder, cache), progress=bar)
         bar.close()
         wanted = {text_hash(t) for capability in catalog for t in capability.triggers}
-        pruned = cache.prune(encoder.model_id, wanted) if prune else 0
+        pruned = cache.prune(encoder.model_id, wanted | _in_use(settings, catalog)) if prune else 0
         unstored = _unstored(cache, encoder.model_id, wanted)
         stored = cache.counts().get(encoder.model_id, 0) if cache.persistent else 0  # not what memory holds
     finally:
@@ -122,6 +128,25 @@ def _tuned_model(settings: Settings, catalog: Catalog) -> Path | None:
         return tuned_model(settings, catalog)
     except (CapdError, OSError) as exc:
         raise tuning_not_done(str(exc)) from None
+
+
+def _in_use(settings: Settings, catalog: Catalog) -> set[str]:
+    """The hashes of every text a service on ``catalog`` embeds through the vector cache, under any
+    rule, with the corrections learned in the data directory (the store is read, never created)."""
+    from capd.learned import FILE_NAME, LearnedStore
+    from capd.service import cached_texts
+    from capd.settings import RULES
+    from capd.vectorcache import text_hash
+
+    path = settings.data_dir / FILE_NAME
+    # all the file holds, not only the latest learn_max: a daemon with a larger learn_max routes with more
+    store = LearnedStore(path, limit=sys.maxsize) if path.is_file() else None
+    try:
+        texts = set().union(*(cached_texts(catalog, rule, store) for rule in RULES))
+    finally:
+        if store is not None:
+            store.close()
+    return {text_hash(t) for t in texts}
 
 
 def _unstored(cache: VectorCache, model_id: str, hashes: set[str]) -> int:
