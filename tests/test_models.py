@@ -280,3 +280,10 @@ def test_capd_models_text_and_verify(tmp_path: Path, bundled_dir: Path) -> None:
                                                                 env=env).stdout)["models"]}
     assert rows["altered"]["verified"] is False and rows["altered"]["available"] is False
     assert "sha256" in rows["altered"]["reason"]
+    # a stamp saying this very file (same stat) was verified: --verify hashes it all the same
+    stamp = {str(weights.resolve()): {"stat": models._stat_key(weights), "sha256": MINILM_SHA}}
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / VERIFIED_FILE).write_text(json.dumps(stamp))
+    rows = {r["name"]: r for r in json.loads(CliRunner().invoke(main, ["models", "--verify", "--json"],
+                                                                env=env).stdout)["models"]}
+    assert rows["altered"]["verified"] is False and "sha256" in rows["altered"]["reason"]

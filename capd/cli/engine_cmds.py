@@ -163,7 +163,7 @@ def _unstored(cache: VectorCache, model_id: str, hashes: set[str]) -> int:
     return len(ordered) - found
 
 
-def _model_row(manifest: ModelManifest, current: str, backend: str, verify: bool, data_dir: Path) -> dict[str, Any]:
+def _model_row(manifest: ModelManifest, current: str, backend: str, verify: bool) -> dict[str, Any]:
     from capd.encoder import resolve_backend
 
     available, where = availability(manifest)
@@ -174,7 +174,7 @@ def _model_row(manifest: ModelManifest, current: str, backend: str, verify: bool
     }
     if verify and available:
         try:
-            resolve(manifest, data_dir)
+            resolve(manifest)  # no data directory: hashes the weights, whatever a stamp of an earlier check says
             row["verified"] = True
         except ModelError as exc:
             row.update(verified=False, available=False, reason=str(exc))
@@ -194,12 +194,12 @@ def models(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, m
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend)
     broken: dict[str, ModelError] = {}
     manifests = load_manifests(settings.models_dir, broken)
-    rows = [_model_row(m, settings.model, settings.backend, verify, settings.data_dir) for m in manifests.values()]
+    rows = [_model_row(m, settings.model, settings.backend, verify) for m in manifests.values()]
     rows += [{"name": name, "current": name == settings.model, "available": False, "reason": str(exc)}
              for name, exc in broken.items()]  # listed with their reason: this is where one looks
     if settings.model not in manifests and settings.model not in broken:
         try:  # a model directory: its row is the current model, however the path was spelled
-            row = _model_row(manifest_for(settings), settings.model, settings.backend, verify, settings.data_dir)
+            row = _model_row(manifest_for(settings), settings.model, settings.backend, verify)
             rows.append({**row, "current": True})
         except ModelError as exc:
             rows.append({"name": settings.model, "current": True, "available": False, "reason": str(exc)})
