@@ -6,9 +6,12 @@
   ``Authorization: Bearer <token>``.
 - While the model loads, ``/v1/health`` says ``ready: false``, ``/v1/route`` answers
   ``skipped`` ("warming up") at once, and endpoints that need the catalog answer 503. After a
-  failed start every one of them answers 503 ``warming_up`` with the reason (the daemon keeps
-  running, so that health can say why), and a model that fails while serving is 503
-  ``model_unavailable``.
+  failed start every endpoint but ``/v1/health`` (``/metrics`` and the tool schema too; not the
+  API's description, ``/docs`` and ``/openapi.json``) answers 503 ``warming_up``, ``failed to
+  start: <reason>`` (the daemon keeps running, so that health can say why), and a model that
+  fails while serving is 503 ``model_unavailable``.
+- Every response is counted in ``capd_requests_total``, those the guard gives before routing
+  (401, 413 by Content-Length) under the route the request was for.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from capd import api_docs
@@ -42,6 +46,7 @@ from capd.errors import (
     UnknownCapability,
     UnknownSession,
 )
+from capd.origin import LocalAddresses
 from capd.schemas import (
     SESSION_PATTERN,
     TEXT_ERRORS,
@@ -62,6 +67,7 @@ from capd.schemas import (
     SessionOut,
     SessionPath,
     ToolResultBody,
+    candidates_out,
     responses_for,
 )
 from capd.service import Service, Stopping
@@ -164,7 +170,8 @@ def _install_handlers(app: FastAPI) -> None:
 
 
 class _Guard:
-    """Bearer token and body-size checks, unexpected errors as JSON 500s, request counting.
+    """Host and Origin (:mod:`capd.origin`), bearer token and body-size checks, unexpected errors as
+    JSON 500s, request counting.
 
     A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's
     BaseHTTPMiddleware runs every request through an extra task and memory streams, which
@@ -172,25 +179,29 @@ class _Guard:
     HTTP overhead of a route).
     """
 
-    def __init__(self, app: ASGIApp, token: str | None, route: Any) -> None:
+    def __init__(self, app: ASGIApp, token: str | None, route: Any, addresses: LocalAddresses | None) -> None:
         self.app = app
         self.token = token
+        self.addresses = addresses  # None: any Host (a token, or a Unix socket)
         self.fast_route = _FastRoute(app, route)  # POST /v1/route; ``route`` is the app's route object
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.addresses is not None and (why := self.addresses.refusal(scope["headers"])) is not None:
+            await self._reject(scope, receive, send, _error(403, "forbidden_host", why))
+            return
         headers = Headers(scope=scope)
         if self.token is not None:
             scheme, _, given = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), self.token.encode()):
-                await _error(401, "unauthorized", "missing or wrong bearer token",
-                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                await self._reject(scope, receive, send, _error(401, "unauthorized", "missing or wrong bearer token",
+                                                                headers={"WWW-Authenticate": "Bearer"}))
                 return
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            await _error(413, "too_large", BODY_TOO_LARGE)(scope, receive, send)
+            await self._reject(scope, receive, send, _error(413, "too_large", BODY_TOO_LARGE))
             return
         status = 500
         started = False
@@ -228,6 +239,13 @@ class _Guard:
             await _error(500, "internal", "internal error; see the daemon log")(scope, receive, send)
         self._count(scope, status)
 
+    @classmethod
+    async def _reject(cls, scope: Scope, receive: Receive, send: Send, response: JSONResponse) -> None:
+        """Answer before the app has seen the request (a bad token, a Content-Length over the
+        limit), counted under the route the app would have matched."""
+        await response(scope, receive, send)
+        cls._count({**scope, "route": _matching_route(scope)}, response.status_code)
+
     @staticmethod
     def _count(scope: Scope, status: int) -> None:
         service: Service | None = getattr(scope["app"].state, "service", None)
@@ -238,10 +256,26 @@ class _Guard:
                             method=scope["method"], path=path, status=str(status))
 
 
+def _matching_route(scope: Scope) -> BaseRoute | None:
+    """The route the app's router would pick for ``scope``, as Starlette's ``Router`` picks it: the
+    first full match, else the first that matches all but the method (its 405)."""
+    routes: list[BaseRoute] = scope["app"].routes
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route
+        if match is Match.PARTIAL and partial is None:
+            partial = route
+    return partial
+
+
 def _install_middleware(app: FastAPI, settings: Settings) -> None:
     """After the routes: the guard's fast path counts its requests under the app's route object."""
     route = next(r for r in app.routes if getattr(r, "path", None) == ROUTE_PATH)
-    app.add_middleware(_Guard, token=settings.token, route=route)
+    token_less_tcp = settings.token is None and settings.uds is None
+    app.add_middleware(_Guard, token=settings.token, route=route,
+                       addresses=LocalAddresses(settings.host) if token_less_tcp else None)
 
 
 def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool = True,
@@ -323,10 +357,23 @@ def _service(request: Request) -> Service:
     return service
 
 
-def _ready(request: Request) -> Service:
+def _started(request: Request) -> Service:
+    """The service, unless its start failed: then 503 ``warming_up``, ``failed to start: <reason>``
+    (README), also for the endpoints that need no model (``/metrics``, the tool schema)."""
     service = _service(request)
+    _check_started(service)
+    return service
+
+
+def _check_started(service: Service) -> None:
+    if service.startup_error is not None and not service.ready:  # never "warming up" forever
+        raise ApiError(503, "warming_up", f"failed to start: {service.startup_error}")
+
+
+def _ready(request: Request) -> Service:
+    service = _started(request)
     if not service.ready:
-        raise ApiError(503, "warming_up", service.startup_error or "the model and index are still loading")
+        raise ApiError(503, "warming_up", "the model and index are still loading")
     return service
 
 
@@ -341,8 +388,7 @@ async def _route(service: Service, body: RouteBody) -> Response:
     """``POST /v1/route``. async: the turn waits on the micro-batcher's future, not in a threadpool
     thread (:meth:`~capd.service.Service.aroute` says where the decision runs)."""
     _check_size(body.message, "message")
-    if service.startup_error is not None and not service.ready:  # never "warming up" forever
-        raise ApiError(503, "warming_up", f"failed to start: {service.startup_error}")
+    _check_started(service)
     result = await service.aroute(body.message, body.session)
     return _json(result.as_dict())
 
@@ -426,8 +472,7 @@ def _install_routes(app: FastAPI) -> None:
     def discover(request: Request, body: DiscoverBody) -> Response:
         service = _ready(request)
         _check_size(body.intent, "intent")
-        return _json({"candidates": [{"name": n, "score": round(s, 4)}
-                                     for n, s in service.discover(body.intent, body.limit)]})
+        return _json({"candidates": candidates_out(service.discover(body.intent, body.limit))})
 
     @app.post(ROUTE_PATH, response_model=None, responses=responses_for(RouteOut))
     async def route(request: Request, body: RouteBody) -> Response:
@@ -439,20 +484,19 @@ def _install_routes(app: FastAPI) -> None:
         state: dict[str, Any] = _registry(request).get(session).as_dict()
         return state
 
+    # A plan carries server specs verbatim, tap-defined keys too: it goes out through _json, which
+    # writes a NaN or inf there as null where FastAPI's encoder would raise (a 500 after the change).
     @app.delete("/v1/sessions/{session}", response_model=None, responses=responses_for(DroppedOut))
-    def drop_session(request: Request, session: SessionPath) -> dict[str, Any]:
-        plan: dict[str, Any] = _registry(request).drop(session).as_dict()
-        return {"dropped": session, "plan": plan}
+    def drop_session(request: Request, session: SessionPath) -> Response:
+        return _json({"dropped": session, "plan": _registry(request).drop(session).as_dict()})
 
     @app.post("/v1/sessions/{session}/enable", response_model=None, responses=responses_for(PlanOut))
-    def enable(request: Request, session: SessionPath, body: NameBody) -> dict[str, Any]:
-        plan: dict[str, Any] = _registry(request).activate(session, body.name, "manual").as_dict()
-        return plan
+    def enable(request: Request, session: SessionPath, body: NameBody) -> Response:
+        return _json(_registry(request).activate(session, body.name, "manual").as_dict())
 
     @app.post("/v1/sessions/{session}/disable", response_model=None, responses=responses_for(PlanOut))
-    def disable(request: Request, session: SessionPath, body: NameBody) -> dict[str, Any]:
-        plan: dict[str, Any] = _registry(request).deactivate(session, body.name).as_dict()
-        return plan
+    def disable(request: Request, session: SessionPath, body: NameBody) -> Response:
+        return _json(_registry(request).deactivate(session, body.name).as_dict())
 
     @app.post("/v1/sessions/{session}/tool-result", response_model=None,
               responses=responses_for(BumpedOut))
@@ -466,18 +510,19 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=TEXT_ERRORS)
     def metrics(request: Request) -> str:
-        return _service(request).metrics.render()
+        return _started(request).metrics.render()
 
     @app.get("/v1/capability-tool", response_model=None, responses=responses_for(CapabilityToolOut))
-    def capability_tool() -> dict[str, Any]:
+    def capability_tool(request: Request) -> dict[str, Any]:
+        _started(request)
         return TOOL_SCHEMA
 
     @app.post("/v1/sessions/{session}/capability", response_model=None,
               responses=responses_for(CapabilityCallOut))
     def capability_call(request: Request, session: SessionPath,
-                        body: Annotated[CapabilityCall, Body()]) -> dict[str, Any]:
+                        body: Annotated[CapabilityCall, Body()]) -> Response:
         service = _ready(request)
         check_session_id(session)  # a bad id is the agent's bug (422), not a tool result for the model
         if body.intent is not None:
             _check_size(body.intent, "intent")
-        return run_capability_call(service, session, body.action, body.name, body.intent)
+        return _json(run_capability_call(service, session, body.action, body.name, body.intent))

@@ -8,9 +8,12 @@ shape OpenAI- and Anthropic-style tool definitions share); ``POST
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from capd.errors import CapdError
+from capd.schemas import NAME_MAX_LENGTH, candidates_out
+from capd.text import strip_tags
 
 if TYPE_CHECKING:
     from capd.service import Service
@@ -27,7 +30,8 @@ TOOL_SCHEMA: dict[str, Any] = {
         "type": "object",
         "properties": {
             "action": {"type": "string", "enum": ["list", "discover", "enable", "disable"]},
-            "name": {"type": "string", "description": "Capability name (for enable / disable)."},
+            "name": {"type": "string", "maxLength": NAME_MAX_LENGTH,
+                     "description": "Capability name (for enable / disable)."},
             "intent": {"type": "string", "description": "What you want to do (for discover)."},
         },
         "required": ["action"],
@@ -46,12 +50,14 @@ def run_capability_call(service: Service, session: str, action: str, name: str |
                  for c in service.catalog_now()]
         return {"text": "Capabilities (* = active):\n" + "\n".join(lines), "plan": None}
     if action == "discover":
-        if not intent or intent.isspace():
+        if not intent or not strip_tags(intent).strip():  # as discovery reads it: tags say nothing of intent
             return {"text": "discover needs an 'intent'.", "plan": None, "error": "missing_intent"}
-        found = service.discover(intent, 5)
+        found = [(n, s) for n, s in service.discover(intent, 5) if math.isfinite(s)]  # as candidates_out drops
+        if not found:
+            return {"text": "No capability matches that intent.", "plan": None, "candidates": []}
         lines = [f"{n} ({s:.2f})" for n, s in found]
         return {"text": "Best matches: " + ", ".join(lines) + ". Enable one with action 'enable'.", "plan": None,
-                "candidates": [{"name": n, "score": round(s, 4)} for n, s in found]}
+                "candidates": candidates_out(found)}
     if not name:
         return {"text": f"{action} needs a 'name'.", "plan": None, "error": "missing_name"}
     try:

@@ -7,11 +7,27 @@ cheap on the route path (one lock, a few integer adds).
 from __future__ import annotations
 
 import bisect
+import math
+import numbers
 import threading
 from collections import defaultdict
 from collections.abc import Callable
 
 ROUTE_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def _number(value: float) -> str:
+    """A sample value, exactly: a whole number as its digits (``2345678``, not ``{:g}``'s
+    ``2.34568e+06``), any other float as ``repr`` (the shortest text that reads back the same),
+    infinities and NaN as the text format spells them."""
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    number = float(value)
+    if math.isnan(number):
+        return "NaN"
+    if math.isinf(number):
+        return "+Inf" if number > 0 else "-Inf"
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 def _labels(labels: tuple[tuple[str, str], ...]) -> str:
@@ -53,7 +69,7 @@ class Metrics:
         with self._lock:
             for name, series in sorted(self._counters.items()):
                 lines += [f"# HELP {name} {self._help[name]}", f"# TYPE {name} counter"]
-                lines += [f"{name}{_labels(key)} {value:g}" for key, value in sorted(series.items())]
+                lines += [f"{name}{_labels(key)} {_number(value)}" for key, value in sorted(series.items())]
             name = "capd_route_latency_seconds"
             lines += [f"# HELP {name} Time to decide a route request, including encoding.",
                       f"# TYPE {name} histogram"]
@@ -62,7 +78,7 @@ class Metrics:
                 cumulative += count
                 lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
             lines.append(f'{name}_bucket{{le="+Inf"}} {self._latency_count}')
-            lines += [f"{name}_sum {self._latency_sum:.6f}", f"{name}_count {self._latency_count}"]
+            lines += [f"{name}_sum {_number(self._latency_sum)}", f"{name}_count {self._latency_count}"]
         for name, (help_text, read) in sorted(self._gauges.items()):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {read():g}"]
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {_number(read())}"]
         return "\n".join(lines) + "\n"

@@ -7,6 +7,8 @@ checks every response against these shapes.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from fastapi import Path
@@ -16,6 +18,7 @@ from capd.catalog import CapabilityKind, Severity
 from capd.router import DecisionKind
 from capd.text import surrogate_at
 
+NAME_MAX_LENGTH = 128  # a capability name in a request (the capability tool's schema says so too)
 SESSION_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"  # capd.sessions.SESSION_ID, for the spec
 SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=SESSION_PATTERN)]
 SessionPath = Annotated[str, Path(min_length=1, max_length=128, pattern=SESSION_PATTERN,
@@ -58,7 +61,7 @@ class DiscoverBody(_In):
 
 
 class NameBody(_In):
-    name: str = Field(..., min_length=1, max_length=128)
+    name: str = Field(..., min_length=1, max_length=NAME_MAX_LENGTH)
 
 
 class ToolResultBody(_In):
@@ -69,7 +72,7 @@ class ToolResultBody(_In):
 
 class CapabilityCall(_In):
     action: Literal["list", "discover", "enable", "disable"]
-    name: str | None = Field(None, max_length=128)
+    name: str | None = Field(None, max_length=NAME_MAX_LENGTH)
     intent: str | None = None
 
 
@@ -88,6 +91,16 @@ class ErrorOut(_Out):
 class CandidateOut(_Out):
     name: str
     score: float
+
+
+def candidates_out(found: Iterable[tuple[str, float]]) -> list[dict[str, Any]]:
+    """Ranked ``(name, score)`` pairs as :class:`CandidateOut` dicts, scores to 4 places.
+
+    A candidate whose score is NaN or infinite is dropped, not clamped: such a score (only a
+    custom encoder gone wrong gives one; the bundled models raise ``ModelError``) ranks nothing,
+    and any number put in its place would be invented. The route's candidates drop them too
+    (:meth:`capd.router.Decision.as_dict`), so ``score`` is always the number OpenAPI promises."""
+    return [{"name": name, "score": round(float(score), 4)} for name, score in found if math.isfinite(score)]
 
 
 class ServerOut(BaseModel):
@@ -246,7 +259,8 @@ class CapabilityCallOut(_Out):
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    "4XX": {"model": ErrorOut, "description": "Bad input, unknown session or capability, missing token"},
+    "4XX": {"model": ErrorOut, "description": "Bad input, unknown session or capability, missing token, a host "
+                                           "that is not this machine (no token)"},
     503: {"model": ErrorOut, "description": "Still warming up or failed to start (the reason), running without "
                                             "sessions, session state or the model unavailable"},
 }

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from textwrap import dedent
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 POSTGRES_PROVIDER = """\
 # Title: PostgreSQL Database
@@ -88,3 +92,9 @@ def docker_and_postgres(tap: Path) -> Path:
     write_capability(tap, "docker", ["list running containers", "restart a container"])
     write_capability(tap, "postgres", ["run a sql query", "show database tables"])
     return tap
+
+
+def local_client(app: FastAPI, **kwargs: Any) -> TestClient:
+    """A TestClient addressing the app as ``127.0.0.1``: its default host name (``testserver``) is one
+    a daemon without a token refuses (``capd/origin.py``)."""
+    return TestClient(app, base_url="http://127.0.0.1", **kwargs)

@@ -23,13 +23,13 @@ from capd.errors import ModelError
 from capd.service import Service
 from capd.settings import Settings
 from tests.conftest import GatedEncoder, SettingsFactory, isolated_data_dir
-from tests.taputil import docker_and_postgres, octomind_tap, write_capability
+from tests.taputil import docker_and_postgres, local_client, octomind_tap, write_capability
 
 
 @pytest.fixture
 def api(tmp_path: Path, model_settings: Settings) -> Iterator[TestClient]:
     settings = replace(isolated_data_dir(model_settings, tmp_path), max_active=2, taps=(octomind_tap(tmp_path),))
-    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
         yield client
 
 
@@ -161,7 +161,7 @@ def test_the_fast_route_path_answers_exactly_as_the_fastapi_route(tmp_path: Path
 
     def answers(name: str) -> list[tuple[int, str, object]]:
         settings = replace(isolated_data_dir(model_settings, tmp_path / name), taps=(octomind_tap(tmp_path / name),))
-        with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+        with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
             out = []
             for content, headers in requests:
                 response = client.post("/v1/route", content=content, headers=headers)
@@ -195,7 +195,7 @@ def test_metrics_and_reload(api: TestClient) -> None:
 
 def test_token_required_on_every_endpoint(tmp_path: Path) -> None:
     settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash", token="s3cret")
-    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
         paths = [("GET", "/v1/health"), ("GET", "/v1/capabilities"), ("POST", "/v1/discover"),
                  ("POST", "/v1/route"), ("GET", "/v1/sessions/a"), ("DELETE", "/v1/sessions/a"),
                  ("POST", "/v1/sessions/a/enable"), ("POST", "/v1/sessions/a/disable"),
@@ -213,7 +213,7 @@ def test_token_required_on_every_endpoint(tmp_path: Path) -> None:
 def test_warm_up_never_blocks_a_turn(tmp_path: Path) -> None:
     gate = threading.Event()
     settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash")
-    with TestClient(create_app(settings, encoder=GatedEncoder(gate), watch=False)) as client:
+    with local_client(create_app(settings, encoder=GatedEncoder(gate), watch=False)) as client:
         health = client.get("/v1/health").json()
         assert health["ready"] is False and health["status"] == "starting"
         routed = client.post("/v1/route", json={"session": "w", "message": "run a query on postgres"}).json()
@@ -252,7 +252,7 @@ def test_a_stop_during_the_first_load_does_not_wait_for_every_trigger(
         write_capability(tap, f"cap{i}", [f"capability {i} trigger {j}" for j in range(20)])  # 2,000 texts: 32 batches
     encoder = CountingEncoder()
     settings = Settings(taps=(tap,), data_dir=tmp_path / "d", model="hash")
-    with caplog.at_level(logging.INFO, logger="capd.api"), TestClient(create_app(settings, encoder=encoder,
+    with caplog.at_level(logging.INFO, logger="capd.api"), local_client(create_app(settings, encoder=encoder,
                                                                                watch=False)):
         assert encoder.second.wait(10)
     assert encoder.calls <= 4, encoder.calls
@@ -312,7 +312,7 @@ def test_an_unknown_pinned_name_is_logged(tmp_path: Path, caplog: pytest.LogCapt
     settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash",
                         pinned=("smalltalk", "nosuchcap"))
     app = create_app(settings, watch=False, warm_in_background=False)
-    with caplog.at_level(logging.WARNING, logger="capd"), TestClient(app) as client:
+    with caplog.at_level(logging.WARNING, logger="capd"), local_client(app) as client:
         plan = client.post("/v1/sessions/p/enable", json={"name": "filesystem-read"}).json()
         assert sorted(plan["active"]) == ["filesystem-read", "smalltalk"]  # the known pinned name applies
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "pinned" in r.getMessage()]
@@ -380,7 +380,7 @@ def test_nan_scores_never_make_a_500_or_invalid_json(settings_factory: SettingsF
     tap = tmp_path / "tap"
     docker_and_postgres(tap)
     app = create_app(settings_factory(taps=(tap,)), encoder=_PoisonEncoder(), watch=False, warm_in_background=False)
-    with TestClient(app) as client:
+    with local_client(app) as client:
         for path, body in (("/v1/route", {"session": "s", "message": "poison: restart a container"}),
                            ("/v1/discover", {"intent": "poison containers"})):
             response = client.post(path, json=body)
@@ -395,7 +395,7 @@ def test_a_daemon_that_failed_to_start_answers_503_with_the_reason(settings_fact
                                                                    tmp_path: Path) -> None:
     """Its routes used to say "warming up: the model and index are loading" forever."""
     settings = settings_factory(model=str(tmp_path / "no-such-model"))
-    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
         assert client.get("/v1/health").json()["status"] == "error"
         response = client.post("/v1/route", json={"session": "s", "message": "list the running containers"})
         assert response.status_code == 503, response.text
@@ -418,7 +418,7 @@ def test_a_model_failing_while_serving_is_503_not_the_requests_fault(settings_fa
     tap = tmp_path / "tap"
     docker_and_postgres(tap)
     app = create_app(settings_factory(taps=(tap,)), encoder=_FailingEncoder(), watch=False, warm_in_background=False)
-    with TestClient(app) as client:
+    with local_client(app) as client:
         response = client.post("/v1/route", json={"session": "s", "message": "broken: restart a container"})
         assert (response.status_code, response.json()["error"]) == (503, "model_unavailable"), response.text
         assert client.post("/v1/route", json={"session": "s", "message": "restart a container"}).status_code == 200
@@ -432,7 +432,7 @@ def test_a_server_spec_with_toml_dates_and_times_is_served_as_iso_strings(settin
     tap = tmp_path / "tap"
     write_capability(tap, "dated", ["a capability whose server has dates"], {"p": provider}, default="p")
     settings = settings_factory(taps=(tap,))
-    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
         answer = client.post("/v1/sessions/s1/enable", json={"name": "dated"})
         assert answer.status_code == 200, answer.text
         server = answer.json()["start"][0]["server"]

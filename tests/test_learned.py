@@ -23,7 +23,7 @@ from capd.learned import Corrections, LearnedStore
 from capd.service import Service
 from capd.settings import Settings, default_taps, load_settings
 from tests.conftest import SettingsFactory, file_held, isolated_data_dir
-from tests.taputil import octomind_tap
+from tests.taputil import local_client, octomind_tap
 
 CORE = default_taps()[0].absolute()
 MISS = "the thing with the boxes is slow again"  # abstains on taps/core; the user meant docker
@@ -266,7 +266,7 @@ def test_enable_and_disable_teach_the_same_in_either_order() -> None:
 @pytest.fixture
 def daemon(tmp_path: Path, model_settings: Settings) -> Iterator[TestClient]:
     settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(CORE,), rule="fused")
-    with TestClient(create_app(settings, watch=False, warm_in_background=False)) as client:
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
         yield client
 
 
@@ -328,7 +328,7 @@ def test_learned_examples_survive_a_restart_and_the_anchor_rule_ignores_them(tmp
     LearnedStore.open(settings.data_dir).record(CORE, "docker", MISS, "abstain", "a")
     best = {}
     for rule in ("fused", "capd", "anchor"):
-        with TestClient(create_app(replace(settings, rule=rule), watch=False, warm_in_background=False)) as client:
+        with local_client(create_app(replace(settings, rule=rule), watch=False, warm_in_background=False)) as client:
             result = client.post("/v1/route", json={"session": "s", "message": MISS}).json()
             best[rule] = result["candidates"][0]["name"], result["decision"]
     assert best["fused"] == ("docker", "activate")

@@ -11,14 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from capd import watcher as watcher_module
 from capd.api import create_app
 from capd.service import Service
 from capd.settings import Settings
 from capd.watcher import TapWatcher
-from tests.taputil import POSTGRES_PROVIDER, octomind_tap, write_capability
+from tests.taputil import POSTGRES_PROVIDER, local_client, octomind_tap, write_capability
 
 
 def _service(tmp_path: Path) -> tuple[Service, Path]:
@@ -291,7 +290,7 @@ def test_an_edit_made_while_the_daemon_starts_is_applied(tmp_path: Path, monkeyp
         return started
 
     monkeypatch.setattr(Service, "start", start_then_edit)
-    with TestClient(create_app(settings, warm_in_background=False)) as client:
+    with local_client(create_app(settings, warm_in_background=False)) as client:
         assert _wait(lambda: "database-mysql" in {c["name"] for c in client.get("/v1/capabilities").json()
                                                   ["capabilities"]})
 
@@ -324,7 +323,7 @@ def test_without_inotify_the_daemon_scans_the_taps_and_edits_still_go_live(
     monkeypatch.setattr(watcher_module, "POLL_INTERVAL", 0.25)
     tap = octomind_tap(tmp_path)
     settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
-    with TestClient(create_app(settings, warm_in_background=False)) as client:
+    with local_client(create_app(settings, warm_in_background=False)) as client:
         health = client.get("/v1/health").json()
         assert health["status"] == "ok" and health["ready"]
         [note] = health["errors"]
@@ -372,7 +371,7 @@ def test_taps_that_can_be_neither_watched_nor_scanned_still_serve(tmp_path: Path
     monkeypatch.setattr(watcher_module.PollingObserver, "start", refused)
     tap = octomind_tap(tmp_path)
     settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")
-    with TestClient(create_app(settings, warm_in_background=False)) as client:
+    with local_client(create_app(settings, warm_in_background=False)) as client:
         health = client.get("/v1/health").json()
         assert health["ready"] and "live reload is off" in health["errors"][0]["reason"]
         write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
@@ -388,7 +387,7 @@ def test_watch_poll_scans_the_taps_without_notifications(tmp_path: Path, monkeyp
     monkeypatch.setattr(watcher_module, "POLL_INTERVAL", 0.25)
     tap = octomind_tap(tmp_path)
     settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash", watch="poll")
-    with TestClient(create_app(settings, warm_in_background=False)) as client:
+    with local_client(create_app(settings, warm_in_background=False)) as client:
         assert client.get("/v1/health").json()["errors"] == []
         write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
         assert _wait(lambda: "database-mysql" in {c["name"] for c in client.get("/v1/capabilities").json()
@@ -398,7 +397,7 @@ def test_watch_poll_scans_the_taps_without_notifications(tmp_path: Path, monkeyp
 def test_watch_off_applies_edits_on_reload_only(tmp_path: Path) -> None:
     tap = octomind_tap(tmp_path)
     settings = Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash", watch="off")
-    with TestClient(create_app(settings, warm_in_background=False)) as client:
+    with local_client(create_app(settings, warm_in_background=False)) as client:
         write_capability(tap, "database-mysql", ["query the mysql database", "show mysql tables"])
         time.sleep(1.0)  # a watcher would have applied it by now (0.25 s debounce)
 

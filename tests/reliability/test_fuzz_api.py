@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from capd.api import create_app
 from capd.settings import Settings
 from tests.reliability.harness import FULL, fleet_tap, sized
+from tests.taputil import local_client
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is a dev dependency (pip install -e '.[dev]')")
 
@@ -31,8 +32,10 @@ def api_schema(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from schemathesis.python.asgi import shutdown_lifespans
 
     root = tmp_path_factory.mktemp("fuzz")
+    # host: the name schemathesis's client addresses the app by (a daemon without a token answers
+    # only to its own names, capd/origin.py)
     app = create_app(Settings(model="hash", taps=(fleet_tap(root),), data_dir=root / "data", max_active=3,
-                              pinned=("fs-read",)), watch=False, warm_in_background=False)
+                              pinned=("fs-read",), host="testserver"), watch=False, warm_in_background=False)
     # schemathesis starts the app's lifespan once (the service warms up before the first request)
     # and keeps it for every generated case; shut it down here so the service closes.
     yield schemathesis.openapi.from_asgi("/openapi.json", app)
@@ -55,10 +58,8 @@ def test_every_endpoint_conforms(api_schema: Any, method: str, path: str, mode: 
 
 def test_the_schema_documents_every_response(tmp_path: Path) -> None:
     """Without declared response shapes the fuzzer checks nothing: make sure they stay declared."""
-    from fastapi.testclient import TestClient
-
     app = create_app(Settings(model="hash", taps=(), data_dir=tmp_path), watch=False, warm_in_background=False)
-    with TestClient(app) as client:
+    with local_client(app) as client:
         spec = client.get("/openapi.json").json()
     for path, methods in spec["paths"].items():
         for method, operation in methods.items():
