@@ -155,7 +155,8 @@ def _install_handlers(app: FastAPI) -> None:
 
     statuses: list[tuple[type[CapdError], int]] = [
         (UnknownSession, 404), (UnknownCapability, 404), (InvalidSessionId, 422), (PinnedCapability, 409),
-        (StateError, 503), (ModelError, 503),  # capd cannot answer (e.g. a model giving NaN): not the request's fault
+        # capd cannot answer (a model giving NaN, a shutdown under way): not the request's fault
+        (StateError, 503), (ModelError, 503), (Stopping, 503),
     ]
     for cls, status in statuses:
         def make(status: int, code: str) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:

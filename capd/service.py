@@ -60,7 +60,9 @@ def _shown(problems: Iterable[Problem]) -> list[dict[str, Any]]:
 
 
 class Stopping(CapdError):
-    """The service was closed while it was starting or publishing."""
+    """The service was closed while it was starting or publishing (HTTP 503: capd cannot answer)."""
+
+    code = "stopping"
 
 OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
 LEARN_DELAY = 1.0  # seconds between a recorded correction and routing with it (corrections come in bursts)
@@ -278,6 +280,7 @@ class Service:
         """Rescan taps and swap in the new catalog atomically; returns what changed."""
         assert self.embedder is not None and self.index is not None and self.encoder is not None
         with self._lock:
+            self._check_open()  # the cache and stores are closed
             before = self._snapshot.catalog if self._snapshot is not None else None
             catalog = self._taps.load(changed)
             if self.tuning.enabled and self.tuning.key is None and self.ready_after is None:

@@ -212,3 +212,13 @@ def test_with_a_token_or_a_listen_name_other_hosts_are_accepted(settings_factory
                                      warm_in_background=False)) as client:
             response = client.get("/v1/capabilities", headers={"Host": "mybox.lan:7171", **headers})
             assert response.status_code == 200, response.text
+
+
+def test_a_reload_cut_short_by_shutdown_is_503_stopping(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """It was a 400 ``bad_request``, as if the request were at fault."""
+    settings = settings_factory(taps=(docker_and_postgres(tmp_path / "tap"),))
+    app = create_app(settings, watch=False, warm_in_background=False)
+    with local_client(app) as client:
+        app.state.service.close()  # what the daemon's shutdown does while a request is still in flight
+        response = client.post("/v1/reload")
+        assert (response.status_code, response.json()["error"]) == (503, "stopping"), response.text
