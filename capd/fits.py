@@ -144,9 +144,9 @@ class RuleFits:
         gates = manifest.gates_for(settings.rule)
         model_gates = Gates(gates["threshold"], gates["margin"], int(gates["top_k"]),
                             coverage=gates.get("coverage", 0.0))
-        if self.auto_gates is not None:
+        if self.auto_gates is not None:  # threshold and margin; they fit no coverage gate (0), so the manifest's stays
             auto = self.auto_gates
-            model_gates = Gates(auto.threshold, auto.margin, TOP_K, coverage=auto.coverage)
+            model_gates = Gates(auto.threshold, auto.margin, TOP_K, coverage=auto.coverage or model_gates.coverage)
         overrides = {"threshold": settings.threshold, "margin": settings.margin, "top_k": settings.top_k,
                      "abstain_corpus": settings.abstain_corpus, "coverage": settings.coverage}
         return build_gatebook(model_gates, catalog, overrides, model=gate_model, rule=settings.rule,

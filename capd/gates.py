@@ -156,8 +156,8 @@ def gate(ranked: Sequence[tuple[str, float]], gates: Gates) -> tuple[bool, float
     if not top1 >= gates.threshold:
         value, limit = shown(top1, gates.threshold)
         return False, margin, f"best {value} below threshold {limit}"
-    if not margin >= gates.margin:
-        runner = ranked[1][0]
+    if not margin >= gates.margin:  # a lone candidate too, when the margin gate is above the threshold
+        runner = ranked[1][0] if len(ranked) > 1 else "no runner-up"
         value, limit = shown(margin, gates.margin)
         return False, margin, f"margin {value} between {name} and {runner} below {limit}"
     return True, margin, f"{name} {top1:.2f} clears threshold {gates.threshold:.2f} and margin {gates.margin:.2f}"

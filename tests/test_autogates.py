@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from capd import autogates
+from capd import autogates, models
 from capd.encoder import Embedded, HashEncoder
 from capd.service import Service
 from capd.settings import load_settings
@@ -250,3 +250,15 @@ def test_fits_while_serving_leave_a_core_to_routing(settings_factory: SettingsFa
     spare = [min(n, max(1, cores - 1)) for n in everyone]  # one core left to routing
     assert len(seen) == 6 and all(threads == spare for threads in seen)  # the head and 5 folds
     assert blas_threads() == everyone  # restored afterwards
+
+
+def test_a_manifests_coverage_gate_stays_under_the_auto_gates(settings_factory: SettingsFactory, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto gates fit threshold and margin only; the coverage gate still comes from the manifest
+    (it was replaced by the auto point's coverage, always 0: no coverage gate)."""
+    monkeypatch.setattr(models, "HASH_MANIFEST", dataclasses.replace(models.HASH_MANIFEST, fused_coverage=0.4))
+    with closing(Service(settings_factory(taps=(_tap(tmp_path / "tap"),), rule="fused")).start()) as service:
+        auto = service.auto_gates
+        assert auto is not None and auto.coverage == 0.0
+        gates = service.router.gates.default
+    assert (gates.threshold, gates.margin, gates.coverage) == (auto.threshold, auto.margin, 0.4)

@@ -18,7 +18,7 @@ from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
 from tests.conftest import SettingsFactory
-from tests.taputil import docker_and_postgres, octomind_tap
+from tests.taputil import docker_and_postgres, octomind_tap, write_capability
 
 
 def test_gate_reasons() -> None:
@@ -190,3 +190,29 @@ def test_the_anchors_rule_with_every_capability_active_says_so(settings_factory:
             service.registry.activate("s1", name)  # type: ignore[union-attr]
         decision = service.route("list the running containers", "s1").decision
         assert (decision.decision, decision.reason) == ("abstain", "every capability is already active")
+
+
+def test_a_lone_candidate_short_of_the_margin_abstains() -> None:
+    """With one candidate the runner-up scores 0, so margin = top1; a top1 that clears a low
+    threshold but not a higher margin (calibration picks threshold 0.00 / margin 0.11) raised
+    IndexError looking for the runner-up's name."""
+    fire, margin, reason = gate([("docker", 0.3)], Gates(threshold=0.0, margin=0.5))
+    assert (fire, margin) == (False, pytest.approx(0.3))
+    assert reason == "margin 0.30 between docker and no runner-up below 0.50"
+
+
+@pytest.mark.parametrize(("rule", "active"), [("capd", ()), ("anchor", ()), ("anchor", ("postgres",))])
+def test_one_candidate_below_the_margin_abstains_in_a_route(rule: str, active: tuple[str, ...],
+                                                            settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """One capability, or (the anchor's rule) every other one active: the lone candidate's margin is its score."""
+    tap = tmp_path / "tap"
+    write_capability(tap, "docker", ["list running containers", "restart a container"])
+    if active:
+        write_capability(tap, "postgres", ["run a sql query", "show database tables"])
+    settings = settings_factory(taps=(tap,), rule=rule, threshold=0.0, margin=0.9)
+    with closing(Service(settings, sessions=True).start()) as service:
+        for name in active:
+            service.registry.activate("s1", name)  # type: ignore[union-attr]
+        decision = service.route("list the running containers please", "s1").decision
+    assert (decision.decision, decision.capability) == ("abstain", "docker")
+    assert decision.reason.startswith("margin ") and decision.reason.endswith("and no runner-up below 0.90")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from capd.text import clean_message, content_chars, strip_tags
@@ -33,3 +35,23 @@ def test_short_input_gate_counts_non_whitespace() -> None:
     assert clean_message("show logs", 8) == ("show logs", True)  # 8 characters
     text, ok = clean_message("<ctx>a long injected context block</ctx> ok", 8)
     assert (text, ok) == ("ok", False)
+
+
+@pytest.mark.parametrize("message", [
+    "<a" + " " * 3000,  # an opening tag's start and a long run of spaces: the tag pattern backtracked cubically
+    "<a>" * 12000 + "</b>" * 12000,  # stray closing tags each searched the whole stack of open ones
+])
+def test_strip_tags_takes_linear_time_on_hostile_messages(message: str) -> None:
+    """Route and discover strip tags on the event loop: a 64 KiB message must not hold it for
+    seconds (``"<a" + 2,000 spaces`` took 25 s, 4,000 took 200 s)."""
+    started = time.perf_counter()
+    assert strip_tags(message) == message
+    assert time.perf_counter() - started < 0.5
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    ("<a />x", "x"), ("<a x=/>y", "y"), ('<a x="/">keep', '<a x="/">keep'), ("<a\n>b</a>c", "c"),
+    ("<ab>x</a>", "<ab>x</a>"), ("</a/> text", "</a/> text"), ("<a>x</a >y", "y"),
+])
+def test_strip_tags_reads_tags_as_before(message: str, expected: str) -> None:
+    assert strip_tags(message) == expected
