@@ -11,6 +11,7 @@ Example, before each agent turn::
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from types import TracebackType
 from typing import Any
@@ -52,6 +53,23 @@ def bare_host(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def check_host(host: str) -> str:
+    """``host`` if it is a host name or an IP address (IPv6 with or without brackets); else a
+    ValueError saying why. A port given with it (``127.0.0.1:7171``), a URL or a space made every
+    client die with a traceback from :mod:`urllib.parse` or :mod:`http.client`."""
+    bare = bare_host(host)
+    if ":" in bare:  # only IPv6 addresses hold a colon
+        try:
+            ipaddress.IPv6Address(bare)
+        except ValueError:
+            one_port = bare.count(":") == 1 and bare.rpartition(":")[2].isdigit()  # 127.0.0.1:7171
+            hint = "; give the port apart (--port, CAPD_PORT)" if one_port else ""
+            raise ValueError(f"{host!r} is not a host name or IP address{hint}") from None
+    elif not bare or any(c.isspace() or not c.isprintable() or c in "/[]@?#%\\" for c in bare):
+        raise ValueError(f"{host!r} is not a host name or IP address")
+    return host
+
+
 # The keys every answer of these endpoints has (README, "HTTP API (v1)").
 HEALTH_KEYS = ("status", "ready", "model", "capabilities", "triggers", "embedded", "cached", "errors")
 PLAN_KEYS = ("start", "teardown", "active")
@@ -71,6 +89,7 @@ class CapdClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url if not uds else "http://capd"
         self._where = uds or url
+        self._timeout = timeout
         self._http = Transport(url, uds, timeout, headers)
 
     def __enter__(self) -> CapdClient:
@@ -95,6 +114,9 @@ class CapdClient:
             raise ClientError("the request is not Unicode text: it holds a lone surrogate "
                               f"({exc.object[exc.start:exc.end]!r})") from None
         except TransportError as exc:
+            if exc.timed_out:  # a daemon may be there, busy or stopped: starting another would find its address taken
+                raise DaemonUnreachable(f"{self._where} did not answer within {self._timeout:g} s ({exc}); "
+                                        "is the daemon there stopped or overloaded?") from None
             raise DaemonUnreachable(f"no capd daemon answering at {self._where} ({exc}); "
                                     "start one with `capd serve` (or `make serve` in a checkout)") from None
         try:
@@ -124,7 +146,8 @@ class CapdClient:
         return result
 
     def capabilities(self, session: str | None = None) -> list[dict[str, Any]]:
-        params = {"session": session} if session else None
+        # "" is a (bad) session id, for the daemon to refuse: not no session, which lists none active
+        params = {"session": session} if session is not None else None
         result: list[dict[str, Any]] = self._call("GET", "/v1/capabilities", params=params,
                                                   expect=("capabilities",))["capabilities"]
         return result

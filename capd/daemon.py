@@ -7,6 +7,7 @@ before anyone can connect. uvicorn handles SIGINT / SIGTERM with a graceful shut
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -40,6 +41,12 @@ SERVED = "another capd is serving there (stop it, or use another --uds)"
 # nearly every turn would open a new connection (0.2-0.7 ms more per route here, more through httpx).
 # An idle connection costs the daemon a file descriptor and a few kB.
 KEEP_ALIVE_S = 75
+# How long a stopping daemon waits for requests under way. uvicorn's default is no limit: one client
+# stalled mid-request (half a body sent, then suspended) kept a SIGTERM-ed daemon running, its
+# sessions not stored. A route takes milliseconds and a reload seconds (8-9 s for an edit of a
+# 1,000-capability tap on the fused rule); what still runs after this is cancelled (uvicorn answers
+# it 500), and the shutdown (storing sessions and corrections) goes on.
+SHUTDOWN_GRACE_S = 10
 QUIET_AT_DEBUG = ("watchdog", "httpx", "httpcore", "urllib3", "filelock", "asyncio")
 
 
@@ -62,6 +69,10 @@ def bind(settings: Settings) -> tuple[socket.socket, BinaryIO | None]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, settings.port))
+        # At once: with SO_REUSEADDR a port nobody listens on yet may be bound twice, so of two daemons
+        # starting together both got here, and the later one's listen, in uvicorn, failed silently: it
+        # ran "ready", unreachable. Listening here, the later one fails here, with the reason.
+        sock.listen()
     except OSError as exc:
         sock.close()
         hint = " (is another capd running? try --port)" if exc.errno == errno.EADDRINUSE else ""
@@ -93,7 +104,11 @@ def _bind_unix(path: Path) -> tuple[socket.socket, BinaryIO]:
             if not path.is_socket():
                 raise BindError(f"{path} exists and is not a socket; refusing to replace it")
             _refuse_if_served(path)
-            path.unlink(missing_ok=True)  # stale: left by a daemon that was killed
+            try:
+                path.unlink(missing_ok=True)  # stale: left by a daemon that was killed
+            except OSError as exc:  # another user's, in a folder this user may not write (a sticky /tmp)
+                raise BindError(f"cannot bind {path}: no capd serves there, but cannot remove it: "
+                                f"{exc.strerror or exc}; remove it, or use another --uds") from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is created 0600: only this user may talk to the daemon
         try:
@@ -104,13 +119,21 @@ def _bind_unix(path: Path) -> tuple[socket.socket, BinaryIO]:
         finally:
             os.umask(old)
     except BaseException:
-        lock.close()
+        _release(path, lock)
         raise
     os.chmod(path, 0o600)
     # Listening at once (uvicorn would only later): an older capd starting meanwhile on this path then
     # finds it served, not stale, and refuses instead of replacing it.
     sock.listen()
     return sock, lock
+
+
+def _release(uds: Path, lock: BinaryIO) -> None:
+    """Remove the lock file of ``uds`` and release it: unlinked while still held, so that no daemon
+    locks a file about to go (:func:`capd.atomic.flocked` checks it locked the file at the path)."""
+    with contextlib.suppress(OSError):
+        lock_path(uds).unlink(missing_ok=True)
+    lock.close()
 
 
 def _refuse_if_served(path: Path) -> None:
@@ -154,7 +177,8 @@ def serve(settings: Settings) -> None:
     # off the daemon's own cost per route (`bench_daemon --overhead`, interleaved with asyncio).
     # log_config=None: uvicorn's lines go through capd's format, with the time (its own has none).
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, lifespan="on", http="httptools",
-                            loop="auto", log_config=None, timeout_keep_alive=KEEP_ALIVE_S)
+                            loop="auto", log_config=None, timeout_keep_alive=KEEP_ALIVE_S,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     uds = Path(settings.uds) if settings.uds is not None else None
     server = _Server(config, uds, socket_identity(uds) if uds is not None else None, lock)
     try:
@@ -183,10 +207,14 @@ class _Server(uvicorn.Server):
             self.uds.unlink(missing_ok=True)
             self.identity = None
         if self.uds is not None and self.lock is not None:
-            lock_path(self.uds).unlink(missing_ok=True)
-            self.lock.close()
+            _release(self.uds, self.lock)
             self.lock = None
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.remove_socket()  # first: a client then finds no daemon rather than one shutting down
         await super().shutdown(sockets)
+        # A forced quit (a second Ctrl-C) stops waiting for requests under way, and uvicorn then skips
+        # the app's shutdown too: its lifespan was cancelled at exit instead, logging two tracebacks.
+        # Stopping the service (storing sessions and corrections) takes well under a second: do it.
+        if self.force_exit and not self.lifespan.shutdown_event.is_set():
+            await self.lifespan.shutdown()

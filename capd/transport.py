@@ -23,7 +23,12 @@ from urllib.parse import urlencode, urlsplit
 
 
 class TransportError(Exception):
-    """The request did not get an answer: no daemon, a refused or broken connection, a timeout."""
+    """The request did not get an answer: no daemon, a refused or broken connection, a timeout
+    (``timed_out``: something may be there, busy or stopped)."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class Transport:
             answer = Answer(response.status, response.getheader("Content-Type") or "", response.read())
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
-            raise TransportError(exc.__class__.__name__) from exc
+            raise TransportError(exc.__class__.__name__, isinstance(exc, TimeoutError)) from exc
         except BaseException:
             connection.close()
             raise

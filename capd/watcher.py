@@ -29,6 +29,7 @@ from watchdog.observers.polling import PollingObserver
 from watchdog.utils.dirsnapshot import DirectorySnapshot
 
 from capd.catalog import Problem
+from capd.service import Stopping
 
 if TYPE_CHECKING:
     from capd.service import Service
@@ -311,10 +312,20 @@ class TapWatcher:
                     self.notify(appeared)
 
     def apply_changes(self, paths: Iterable[Path]) -> dict[str, Any]:
-        """Reload what ``paths`` touched; errors are logged and shown in health, never raised."""
+        """Reload what ``paths`` touched; errors are logged and shown in health, never raised.
+
+        Only tap files (``*.toml``, or without a suffix: a link's target may be named so), folders
+        and paths that are gone count. A change to none of them (a log the daemon writes inside a tap,
+        ``2> capd.log``) reloaded the taps all the same, and the reload's log line was a change again:
+        a reload every debounce for as long as the daemon ran."""
         relevant = [p for p in paths if p.suffix in (".toml", "") or p.is_dir() or not p.exists()]
+        if not relevant:
+            return {}
         try:
             report = self.service.reload(changed=relevant)
+        except Stopping:  # the daemon stops: nothing failed, and nothing will be served
+            log.info("reload after file changes cut short: capd is stopping")
+            return {"error": "stopping"}
         except Exception:
             log.exception("reload after file changes failed; serving the previous catalog")
             return {"error": "reload failed"}

@@ -27,7 +27,7 @@ from click.testing import CliRunner, Result
 
 from capd.api import LEARNED_CHECK_INTERVAL, create_app
 from capd.cli import main
-from capd.client import CapdClient
+from capd.client import ApiError, CapdClient
 from capd.encoder import Encoder, HashEncoder
 from capd.errors import ClientError, InvalidSessionId, UnknownCapability, UnknownSession
 from capd.learned import LearnedStore
@@ -524,3 +524,36 @@ def test_an_empty_path_flag_is_a_usage_error(args: list[str]) -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert "empty; give a path" in result.output
+
+
+def test_an_empty_session_is_refused_by_list_as_by_route(serve: Serve) -> None:
+    """``capd list --session "$SESSION"`` with the variable unset listed the catalog with nothing
+    marked active, as if the session had nothing on; ``route --session ""`` is refused."""
+    port = serve()
+    listed = _capd("list", "--session", "", port=port)
+    assert listed.exit_code == 1 and listed.stdout == "" and "422 invalid_request: query.session" in listed.stderr
+    with CapdClient(f"http://127.0.0.1:{port}") as client, pytest.raises(ApiError) as caught:
+        client.capabilities(session="")
+    assert caught.value.status == 422
+
+
+@pytest.mark.parametrize("args", [["status", "--host", ""], ["serve", "--host", " "], ["list", "--host", ""],
+                                  ["route", "hello there", "--tap", "taps/core", "--model", ""],
+                                  ["serve", "--model", " "], ["index", "--model", ""]])
+def test_an_empty_host_or_model_flag_is_a_usage_error(args: list[str]) -> None:
+    """``--host "$UNSET"`` exited 1, as an error, where ``--port 99999`` and an empty path flag exit 2."""
+    result = CliRunner().invoke(main, args, env={"CAPD_CONFIG": ""})
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--" in result.output
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:7171", "http://127.0.0.1", "bad host", "[::1"])
+def test_a_host_that_is_no_host_is_said_not_a_traceback(host: str) -> None:
+    """``--host 127.0.0.1:7171`` (the port with the host), a URL, a space: every client command died
+    with a traceback (ValueError from urlsplit, InvalidURL from http.client), serve said "cannot listen"."""
+    for command in (["status"], ["list"], ["route", "hello there friend"], ["serve"]):
+        flag = CliRunner().invoke(main, [*command, "--host", host], env={"CAPD_CONFIG": ""})
+        assert flag.exit_code == 2 and "Invalid value for '--host'" in flag.output, (command, flag.output)
+        assert flag.exception is None or isinstance(flag.exception, SystemExit), (command, flag.exception)
+    env = CliRunner().invoke(main, ["status"], env={"CAPD_CONFIG": "", "CAPD_HOST": host})
+    assert env.exit_code == 1 and "CAPD_HOST" in env.stderr and isinstance(env.exception, SystemExit), env.output

@@ -140,3 +140,13 @@ def test_a_closed_client_refuses_calls(server: StandIn) -> None:
     client.close()
     with pytest.raises(RuntimeError, match="closed"):
         client.health()
+
+
+def test_a_daemon_that_does_not_answer_in_time_is_not_said_to_be_missing(server: StandIn) -> None:
+    """A daemon that is there but busy or stopped (SIGSTOP) was reported as "no capd daemon
+    answering …; start one with `capd serve`": starting one then fails, its address being in use."""
+    server.delay_s = 1.0
+    with CapdClient(url(server), timeout=0.2) as client, pytest.raises(DaemonUnreachable) as caught:
+        client.route("s", "hello there")
+    said = str(caught.value)
+    assert "did not answer within 0.2 s" in said and "start one" not in said, said

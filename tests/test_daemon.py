@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
 import logging
@@ -431,3 +432,126 @@ def test_a_daemon_at_the_kernels_inotify_limit_scans_its_taps(tmp_path: Path, li
         client.close()
         proc.terminate()
         proc.communicate(timeout=10)
+
+
+# -- stopping: a stalled client, a failed start ----------------------------------------------------------
+
+def test_a_client_stalled_mid_request_does_not_keep_the_daemon_from_stopping(tmp_path: Path) -> None:
+    """uvicorn waits for every request under way before it stops, with no limit: one client that
+    sent half a body (a suspended agent) kept a SIGTERM-ed daemon running for good, its sessions
+    not stored. The wait is bounded (``SHUTDOWN_GRACE_S``, shortened here) and the shutdown completes."""
+    port = _free_port()
+    shorten = ("import sys; from capd import daemon; daemon.SHUTDOWN_GRACE_S = 0.5; "
+               "from capd.cli import main; main(prog_name='capd')")
+    proc = subprocess.Popen([sys.executable, "-c", shorten, "serve", *_hash_args(tmp_path), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = CapdClient(f"http://127.0.0.1:{port}")
+    try:
+        _wait_ready(client, proc)
+        with socket.create_connection(("127.0.0.1", port)) as stalled:
+            stalled.sendall(b"POST /v1/route HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{\"session\"")
+            time.sleep(0.2)  # the daemon has read the head: a request is under way
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the daemon did not stop while a client stalled mid-request")
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.stderr is not None and b"Application shutdown complete" in proc.stderr.read()
+
+
+def _sigint_stop(tmp_path: Path, presses: int) -> tuple[int, str]:
+    """Start a daemon, stall one request when ``presses`` > 1 (so that the second Ctrl-C finds the
+    stop still waiting for it), press Ctrl-C ``presses`` times: its exit status and what it said."""
+    port = _free_port()
+    proc = _start([*_hash_args(tmp_path), "--port", str(port)])
+    client = CapdClient(f"http://127.0.0.1:{port}")
+    try:
+        _wait_ready(client, proc)
+        client.enable("s1", "filesystem-read")
+        with socket.create_connection(("127.0.0.1", port)) as stalled:
+            if presses > 1:
+                stalled.sendall(b"POST /v1/route HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 50\r\n\r\n{")
+                time.sleep(0.2)
+            for _ in range(presses):
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.3)
+            code = proc.wait(20)
+    finally:
+        client.close()
+        _stop(proc)
+    assert proc.stderr is not None
+    return code, proc.stderr.read().decode()
+
+
+def test_ctrl_c_stops_the_daemon_quietly_with_130(tmp_path: Path) -> None:
+    """A stop by Ctrl-C ended with click's "Aborted!" and exit 1, which capd documents as an error."""
+    code, said = _sigint_stop(tmp_path, 1)
+    assert code == 130 and "Aborted!" not in said, said
+    assert "Application shutdown complete" in said, said
+
+
+def test_a_second_ctrl_c_still_stops_the_app(tmp_path: Path) -> None:
+    """uvicorn's forced quit (a second Ctrl-C) skipped the app's shutdown: the lifespan was cancelled
+    at exit instead, with a traceback. (The stalled request's own cancellation is uvicorn's to log.)"""
+    code, said = _sigint_stop(tmp_path, 2)
+    assert code == 130 and "Aborted!" not in said, said
+    assert "Application shutdown complete" in said and "in lifespan" not in said, said
+
+
+def test_a_failed_unix_bind_leaves_no_lock_file(tmp_path: Path) -> None:
+    """``--uds`` on a regular file (or a path too long) was refused, but left ``PATH.lock`` beside it."""
+    not_a_socket = tmp_path / "notes.txt"
+    not_a_socket.write_text("mine")
+    for path in (not_a_socket, tmp_path / ("a" * 120 + ".sock")):
+        with pytest.raises(daemon.BindError):
+            daemon._bind_unix(path)
+        assert not daemon.lock_path(path).exists(), path
+    assert not_a_socket.read_text() == "mine"
+
+
+def test_a_stale_socket_that_cannot_be_removed_is_a_bind_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale socket in a folder this user may not write (another user's in a sticky /tmp) raised
+    PermissionError from unlink: a traceback and exit 1 instead of a reason and exit 3."""
+    sock = tmp_path / "capd.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:  # as a daemon killed with -9 leaves it
+        dead.bind(str(sock))
+    unlink = Path.unlink
+
+    def refused(self: Path, missing_ok: bool = False) -> None:
+        if self == sock:
+            raise PermissionError(1, "Operation not permitted", str(self))
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    with pytest.raises(daemon.BindError, match="cannot remove it: Operation not permitted"):
+        daemon._bind_unix(sock)
+    monkeypatch.undo()
+    assert sock.is_socket() and not daemon.lock_path(sock).exists()
+
+
+def test_a_bound_port_is_listened_on_at_once(tmp_path: Path) -> None:
+    """With SO_REUSEADDR two sockets may bind one port as long as neither listens yet: two daemons
+    started together both bound it, the later one's listen (in uvicorn) failed silently, and it ran
+    "ready" for good, unreachable. Listening in :func:`daemon.bind` makes the later one fail there."""
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # the other daemon, mid-start
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    other.bind(("127.0.0.1", 0))
+    port = other.getsockname()[1]
+    try:
+        settings = Settings(taps=(), data_dir=tmp_path, model="hash", host="127.0.0.1", port=port)
+        sock, _ = daemon.bind(settings)
+        try:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            with pytest.raises(OSError) as caught:
+                other.listen()  # the other daemon, with this fix, says so in bind() and exits 3
+            assert caught.value.errno == errno.EADDRINUSE
+        finally:
+            sock.close()
+    finally:
+        other.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import shutil
 import time
@@ -431,3 +432,37 @@ def test_an_inotify_queue_overflow_reloads_every_tap(tmp_path: Path, monkeypatch
         assert _wait(lambda: "database-mysql" in service.catalog_now())
     finally:
         watcher.stop()
+
+
+def test_a_reload_cut_short_by_the_shutdown_is_not_an_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon stopped while the watcher reloaded logged "reload after file changes failed; serving
+    the previous catalog" with a traceback: neither is true of a stop."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    service.close()  # as the daemon's shutdown does while the reload runs
+    with caplog.at_level("INFO", logger="capd.watcher"):
+        report = watcher.apply_changes([tap / "capabilities" / "smalltalk" / "config.toml"])
+    assert report == {"error": "stopping"}
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "stopping" in caplog.records[0].getMessage()
+
+
+def test_a_log_file_inside_a_tap_does_not_reload_it_without_end(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """``capd serve --tap . 2> capd.log`` from a tap's folder: each reload logged a line, the line
+    was a change in the tap, which reloaded it, four times a second for as long as the daemon ran.
+    A change to a file that is not a tap file (nor a folder, nor gone) reloads nothing."""
+    service, tap = _service(tmp_path)
+    caplog.set_level(logging.INFO, logger="capd.watcher")  # the daemon's level
+    handler = logging.FileHandler(tap / "capd.log")
+    logging.getLogger("capd.watcher").addHandler(handler)
+    watcher = TapWatcher(service, debounce=0.05)
+    watcher.start()
+    try:
+        (tap / "capabilities" / "smalltalk" / "config.toml").touch()
+        assert _wait(lambda: watcher.applied >= 1)
+        time.sleep(1.0)  # the loop reloaded about every 0.1 s here
+        assert watcher.applied <= 2, watcher.applied
+    finally:
+        watcher.stop()
+        logging.getLogger("capd.watcher").removeHandler(handler)
+        handler.close()

@@ -2,7 +2,8 @@
 
 Exit codes (decided here only): 0 ok, 1 error or below a floor, 2 usage,
 3 daemon unreachable or failed to start; 141 (as a command killed by SIGPIPE) when whoever
-reads the output stops reading (``capd list | head -1``).
+reads the output stops reading (``capd list | head -1``); 130 (as one killed by SIGINT) for
+``capd serve`` stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
+from capd.client import check_host
 from capd.errors import CapdError, DaemonUnreachable
 from capd.settings import Settings, check_setting, load_settings
 from capd.text import finite, surrogate_at
@@ -26,6 +28,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command killed by SIGPIPE
+EXIT_INTERRUPTED = 128 + 2  # `capd serve` stopped by Ctrl-C: what a shell reports for a command killed by SIGINT
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,7 +97,7 @@ def settings_options(func: F) -> F:
     """:func:`store_options` and --model, --backend: the settings most commands need."""
     func = click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None,
                         help="Encoder backend (default auto = the faster one measured here).")(func)
-    func = click.option("--model", default=None,
+    func = click.option("--model", default=None, callback=setting_rule("model"),
                         help="Model manifest name (see `capd models`) or directory. Env: CAPD_MODEL.")(func)
     return store_options(func)
 
@@ -102,7 +105,8 @@ def settings_options(func: F) -> F:
 def connection_options(func: F) -> F:
     """--host, --port, --uds: where the running daemon listens."""
     options = [
-        click.option("--host", default=None, help="Daemon host (default 127.0.0.1). Env: CAPD_HOST."),
+        click.option("--host", default=None, callback=setting_rule("host", check_host),
+                     help="Daemon host (default 127.0.0.1). Env: CAPD_HOST."),
         click.option("--port", type=int, default=None, callback=setting_rule("port"),
                      help="Daemon port (default 7171). Env: CAPD_PORT."),
         click.option("--uds", type=PathParam(), default=None, help="Unix socket path. Env: CAPD_UDS."),
@@ -128,14 +132,17 @@ class _Text(click.ParamType[str]):
 TEXT = _Text()
 
 
-def setting_rule(key: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
-    """A click callback that checks a flag overriding setting ``key`` by that setting's rule."""
+def setting_rule(key: str, then: Callable[[Any], Any] | None = None,
+                 ) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback that checks a flag overriding setting ``key`` by that setting's rule (and
+    ``then``, which raises ValueError too)."""
 
     def check(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
         if value is None:
             return None
         try:
-            return check_setting(key, value)
+            value = check_setting(key, value)
+            return value if then is None else then(value)
         except ValueError as exc:
             raise click.BadParameter(str(exc), ctx, param) from None
 

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from capd.cli.common import (
+    EXIT_INTERRUPTED,
     EXIT_UNREACHABLE,
     TEXT,
     Failed,
@@ -21,13 +22,19 @@ from capd.cli.common import (
     daemon_only,
     emit_json,
     plan_lines,
+    setting_rule,
     stderr,
 )
-from capd.client import CapdClient, base_url
+from capd.client import CapdClient, base_url, check_host
 from capd.settings import RULES, WATCH_MODES, Settings
 
 
 def client_for(settings: Settings) -> CapdClient:
+    if settings.uds is None:
+        try:  # a flag is checked as it is parsed; this is CAPD_HOST or a config file's host
+            check_host(settings.host)
+        except ValueError as exc:
+            raise Failed(f"host (CAPD_HOST or the config file): {exc}") from None
     return CapdClient(base_url(settings.host, settings.port), token=settings.token,
                       uds=str(settings.uds) if settings.uds else None)
 
@@ -44,7 +51,7 @@ def daemon_options(func: Any) -> Any:
               help="Tap directory; repeat for several. Env: CAPD_TAPS.")
 @daemon_options
 @click.option("--data-dir", type=PathParam(), default=None, help="Env: CAPD_DATA_DIR.")
-@click.option("--model", default=None, help="Model manifest name. Env: CAPD_MODEL.")
+@click.option("--model", default=None, callback=setting_rule("model"), help="Model manifest name. Env: CAPD_MODEL.")
 @click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None)
 @click.option("--rule", type=click.Choice(RULES), default=None)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
@@ -67,6 +74,10 @@ def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
         run(settings)
     except BindError as exc:
         raise Failed(str(exc), EXIT_UNREACHABLE) from None
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn stopped gracefully, then raised SIGINT again, which Python turns into
+        # KeyboardInterrupt and click into "Aborted!" with exit 1, an error. A stop is not one.
+        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 @click.command()
