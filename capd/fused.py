@@ -80,7 +80,7 @@ TOKEN_BUDGET = 100_000  # example token rows kept for the second stage (~150 MB 
 BM25_K1, BM25_B = 1.2, 0.75
 VERSION = "fused-3"  # bump when anything above changes the cached heads
 
-_WORD = re.compile(r"[a-z0-9]+")
+_WORD = re.compile(r"[^\W_]+")  # letters and digits of any script (ASCII: [a-z0-9] after lower())
 _STOP_WORDS = """
 a an the to of and or in on at for with by from is are was were be been am i me my we our you your it its this
 that these those do does did can could would will should please pls hey hi what whats how when where which who why

@@ -48,6 +48,16 @@ def test_words_drop_filler_and_strip_suffixes() -> None:
     assert words("a I to") == []
 
 
+def test_words_keep_letters_beyond_ascii() -> None:
+    """``[a-z0-9]+`` cut ``café`` to ``caf`` and ``Zürich`` to ``z``/``rich`` (which then matched
+    "rich"), and gave Cyrillic or Greek text no words at all: no lexical evidence for such taps."""
+    assert words("Café in Zürich") == ["café", "zürich"]
+    assert words("показать контейнеры") == ["показать", "контейнеры"]
+    assert words("snake_case-name") == ["snake", "case", "name"]
+    lexicon = Lexicon([["weather in Zürich"], ["rich text editor"]])
+    assert lexicon.matches("Zürich forecast", 0) == ["zürich"] and lexicon.matches("Zürich forecast", 1) == []
+
+
 def test_lexicon_prefers_the_document_that_names_the_product() -> None:
     lexicon = Lexicon([["query a postgres table"], ["read a file from disk"], ["query a mysql table"]])
     scores = lexicon.scores(["postgres query please", "nothing relevant here"])
