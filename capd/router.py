@@ -8,15 +8,18 @@ Three rules, selectable by name (``Settings.rule`` / ``--rule``):
     session are candidates (so an active winner lets a runner-up switch on); activate iff
     ``top1 >= threshold`` and ``top1 - top2 >= margin`` (top2 = 0 with one candidate).
 ``capd``
-    Every capability is scored; when the winner is already active nothing changes
-    (``already_active``); otherwise the same gates decide. Learned corrections
+    Every capability is scored; when the winner is already active and clears the threshold,
+    nothing changes (``already_active``: no margin is asked of it, so a near runner-up does not
+    switch on beside it); otherwise the same gates decide (a message unlike the active winner's
+    triggers abstains rather than keep it in use). Learned corrections
     (:mod:`capd.learned`) count as extra triggers, and learned abstains veto (:class:`Vetoes`).
 ``fused``
     :mod:`capd.fused`: ranks on a light head + soft nearest examples + BM25 over the
     triggers, description, name and learned corrections; ``score`` is the winner's
     mean-top-3 cosine minus its capabilities' in-class similarity (``level``), ``margin``
     the log-odds gap to the runner-up, and ``coverage`` how much of the message the winner's
-    examples speak of (a third gate, 0 = off). Sessions and learned corrections behave as with ``capd``.
+    examples speak of (a third gate, 0 = off). Sessions and learned corrections behave as with ``capd``
+    (an active winner must clear the threshold and the coverage gate to be ``already_active``).
 
 Gates (threshold, margin, coverage) and which are in force for each tap: :mod:`capd.gates`.
 """
@@ -331,7 +334,7 @@ class Router:
         name, score = ranked[0]
         gates = self._gates_for(name)
         fire, margin, reason = gate(ranked, gates)
-        if self.rule == "capd" and name in active_set:
+        if self.rule == "capd" and name in active_set and score >= gates.threshold:  # margin aside: see the docstring
             return Decision("already_active", f"{name} is already active", name, score, margin, candidates)
         if not fire:
             return Decision("abstain", reason, name, score, margin, candidates)
@@ -348,9 +351,9 @@ class Router:
         name = names[int(scores.winner[0])]
         level, gap = float(scores.winner_level[0]), float(scores.gap[0])
         coverage = float(scores.winner_coverage[0])
-        if name in active:
-            return Decision("already_active", f"{name} is already active", name, level, gap, candidates)
         gates = self._gates_for(name)
+        if name in active and level >= gates.threshold and gates.covers(coverage):  # margin aside, as with capd
+            return Decision("already_active", f"{name} is already active", name, level, gap, candidates)
         alone = len(names) == 1 and gap == math.inf  # no runner-up: the gap is infinite, and clears any margin
         if not (math.isfinite(level) and (math.isfinite(gap) or alone)):  # NaN clears nothing ("not >=" below)
             return Decision("abstain", not_a_number(name, level, gap), name, level, gap, candidates)

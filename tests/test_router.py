@@ -71,6 +71,22 @@ def test_already_active_versus_anchor(core_service: Service) -> None:
     assert anchor.route(message, active=every).decision == "abstain"
 
 
+@pytest.mark.parametrize("rule", ["capd", "fused"])
+def test_an_active_winner_below_the_threshold_abstains(core_service: Service, fused_core: Service,
+                                                       rule: str) -> None:
+    """A message unlike anything (chitchat) whose best, far below the threshold, was active came back
+    ``already_active`` and kept that capability in use; it abstains as it would were none active."""
+    router = (core_service if rule == "capd" else fused_core).router
+    chitchat = router.route("hello there, how is your week going?")
+    assert chitchat.decision == "abstain" and chitchat.capability is not None
+    again = router.route("hello there, how is your week going?", active={chitchat.capability})
+    assert (again.decision, again.reason) == ("abstain", chitchat.reason)
+    clear = router.route("list the running docker containers and their ports")
+    assert clear.decision == "activate"
+    assert router.route("list the running docker containers and their ports",
+                        active={clear.capability}).decision == "already_active"
+
+
 def test_discover_and_explain(core_service: Service) -> None:
     found = core_service.discover("send a message to the team channel", limit=3)
     assert found[0][0] == "slack" and len(found) == 3
