@@ -14,9 +14,11 @@ Also text that leaves capd: :func:`finite` keeps NaN out of JSON (the CLI's and 
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import re
+import unicodedata
 from collections import Counter
 from typing import Any
 
@@ -71,15 +73,21 @@ def strip_tags(message: str) -> str:
     return "".join(kept).strip()
 
 
+def _shows(ch: str) -> bool:
+    return not ch.isspace() and unicodedata.category(ch) not in ("Cc", "Cf")
+
+
 def content_chars(text: str) -> int:
-    """Non-whitespace characters: the measure of the short-input gate."""
-    return sum(1 for ch in text if not ch.isspace())
+    """Characters that show (not whitespace, not a control or format character such as a zero-width
+    space or a byte order mark): the measure of the short-input gate."""
+    return sum(1 for ch in text if _shows(ch))
 
 
 def clean_message(message: str, min_chars: int) -> tuple[str, bool]:
-    """Return (text to route on, long enough to route)."""
+    """Return (text to route on, long enough to route); counting stops at ``min_chars``."""
     text = strip_tags(message)
-    return text, content_chars(text) >= min_chars
+    shown = (ch for ch in text if _shows(ch))
+    return text, sum(1 for _ in itertools.islice(shown, min_chars)) >= min_chars
 
 
 def finite(value: Any) -> Any:

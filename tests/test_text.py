@@ -31,6 +31,8 @@ def test_strip_tags(message: str, expected: str) -> None:
 
 def test_short_input_gate_counts_non_whitespace() -> None:
     assert content_chars(" a b\tc\n") == 3
+    assert content_chars("\u200b" * 9 + "\x00\ufeffok\u2060") == 2  # zero-width, NUL, BOM, word joiner
+    assert clean_message("\u200b" * 20 + "yes", 8) == ("\u200b" * 20 + "yes", False)
     assert clean_message("yes pls", 8) == ("yes pls", False)  # 6 characters
     assert clean_message("show logs", 8) == ("show logs", True)  # 8 characters
     text, ok = clean_message("<ctx>a long injected context block</ctx> ok", 8)
