@@ -18,8 +18,14 @@ import http.client
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from urllib.parse import urlencode, urlsplit
+
+# A connection idle longer than this is not reused: the daemon closes one idle for 75 s
+# (capd.daemon.KEEP_ALIVE_S), and one reused just as that close is under way fails its request
+# (a route, which is not sent again). Opening a new one costs a fraction of a millisecond.
+MAX_IDLE_S = 60.0
 
 
 class TransportError(Exception):
@@ -66,7 +72,8 @@ class Transport:
         self._parts, self._uds, self._timeout = parts, uds, timeout
         self._prefix = "" if uds else parts.path.rstrip("/")
         self._headers = headers
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # and when it was given back
+        self._clock = time.monotonic
         self._lock = threading.Lock()
         self._closed = False
 
@@ -97,7 +104,7 @@ class Transport:
     def close(self) -> None:
         with self._lock:
             self._closed, idle, self._idle = True, self._idle, []
-        for connection in idle:
+        for connection, _ in idle:
             connection.close()
 
     def _take(self) -> http.client.HTTPConnection:
@@ -105,17 +112,17 @@ class Transport:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("the client has been closed")
-                connection = self._idle.pop() if self._idle else None
+                connection, since = self._idle.pop() if self._idle else (None, 0.0)
             if connection is None:
                 return self._open()
-            if _still_open(connection):
+            if self._clock() - since <= MAX_IDLE_S and _still_open(connection):
                 return connection
             connection.close()
 
     def _give_back(self, connection: http.client.HTTPConnection) -> None:
         with self._lock:
             if not self._closed:
-                self._idle.append(connection)
+                self._idle.append((connection, self._clock()))
                 return
         connection.close()
 

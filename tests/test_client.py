@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+import capd.transport as transport_module
 from capd.client import CapdClient
+from capd.daemon import KEEP_ALIVE_S
 from capd.errors import DaemonUnreachable
 
 HEALTH = {"status": "ok", "ready": True, "model": "hash", "capabilities": 0, "triggers": 0, "embedded": 0,
@@ -104,6 +106,22 @@ def test_a_connection_the_server_closed_is_replaced_before_it_is_used(server: St
             time.sleep(0.05)  # the close has arrived by the next call
             assert client.route("s", f"message {i}")["decision"] == "abstain"
     assert server.connections == 3 and len(server.requests) == 3  # each request sent once
+
+
+def test_a_connection_idle_for_a_minute_is_not_reused(server: StandIn, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon closes a connection idle for 75 s; reused at that moment, a route would fail (and
+    is not sent again). The client retires one idle past MAX_IDLE_S, before the daemon's limit."""
+    assert transport_module.MAX_IDLE_S < KEEP_ALIVE_S
+    now = [1000.0]
+    with CapdClient(url(server)) as client:
+        monkeypatch.setattr(client._http, "_clock", lambda: now[0])  # white-box: the transport's clock
+        client.route("s", "first")
+        now[0] += transport_module.MAX_IDLE_S - 1
+        client.route("s", "second")  # idle under the limit: the same connection
+        assert server.connections == 1
+        now[0] += transport_module.MAX_IDLE_S + 1
+        client.route("s", "third")
+    assert server.connections == 2 and len(server.requests) == 3
 
 
 def test_threads_share_one_client(server: StandIn) -> None:
