@@ -39,9 +39,12 @@ def _free_port() -> int:
         return port
 
 
-def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def _start(args: list[str], env: dict[str, str] | None = None, ctrl_c: bool = False) -> subprocess.Popen[bytes]:
+    """``capd serve`` in a child process; ``ctrl_c``: with SIGINT handled as at a terminal. A shell
+    starts a background job (as CI runs the suite) with SIGINT ignored, and children inherit that."""
+    reset = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if ctrl_c else None
     return subprocess.Popen([sys.executable, "-m", "capd", "serve", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})}, preexec_fn=reset)
 
 
 def _wait_ready(client: CapdClient, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
@@ -469,7 +472,7 @@ def _sigint_stop(tmp_path: Path, presses: int) -> tuple[int, str]:
     """Start a daemon, stall one request when ``presses`` > 1 (so that the second Ctrl-C finds the
     stop still waiting for it), press Ctrl-C ``presses`` times: its exit status and what it said."""
     port = _free_port()
-    proc = _start([*_hash_args(tmp_path), "--port", str(port)])
+    proc = _start([*_hash_args(tmp_path), "--port", str(port)], ctrl_c=True)
     client = CapdClient(f"http://127.0.0.1:{port}")
     try:
         _wait_ready(client, proc)
