@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
@@ -60,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from capd.catalog import Catalog
-from capd.state import set_busy_timeout
+from capd.state import advice, set_busy_timeout
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,10 @@ class LearnedStore:
         # Corrections the file would not take (locked, disk full): used, and stored at the next write
         # or check that succeeds. Keyed like the table; each (tap, capability, kind) keeps its latest ``limit``.
         self._unsaved: dict[tuple[str, str, str], Learned] = {}
+        self._clock = 0.0  # the latest ``created`` this store gave (:meth:`_now`)
+        self._advice = ""  # what to do about the file that could not be opened
+        # Recorded in memory because the file could not be opened at the start: tried again at the stop.
+        self._learned_in_memory: dict[tuple[str, str, str], Learned] = {}
         self._conn = self._connect(path)
 
     @classmethod
@@ -138,24 +144,53 @@ class LearnedStore:
     def _connect(self, path: Path | None) -> sqlite3.Connection:
         if path is not None:
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                conn = sqlite3.connect(path, check_same_thread=False, timeout=self._timeout)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute(_SCHEMA)
-                if "kind" not in {row[1] for row in conn.execute("PRAGMA table_info(learned)")}:
-                    # a store from before abstains were learned: its entries are triggers
-                    conn.execute("ALTER TABLE learned ADD COLUMN kind TEXT NOT NULL DEFAULT 'trigger'")
-                conn.commit()
+                conn = self._open_file(path)
                 self.persistent = True
                 return conn
             except (OSError, sqlite3.Error) as exc:
                 self.error = f"cannot store learned examples in {path}: {exc}; keeping them in memory"
+                self._advice = advice(path, exc, "learned")
         conn = sqlite3.connect(":memory:", check_same_thread=False)
         conn.execute(_SCHEMA)
         if path is not None and self.error is not None:
-            self.error += self._copy_readable(path, conn)
+            self.error += self._copy_readable(path, conn) + f"; {self._advice}"
             log.error("%s", self.error)
         return conn
+
+    def _open_file(self, path: Path) -> sqlite3.Connection:
+        """``path`` opened for writing, its table created or brought up to date."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(path, check_same_thread=False, timeout=self._timeout)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(_SCHEMA)
+            if "kind" not in {row[1] for row in conn.execute("PRAGMA table_info(learned)")}:
+                # a store from before abstains were learned: its entries are triggers
+                conn.execute("ALTER TABLE learned ADD COLUMN kind TEXT NOT NULL DEFAULT 'trigger'")
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _store_learned_in_memory(self) -> int:
+        """A store kept in memory since the start because its file could not be used: at the stop, try
+        the file once more with what was learned meanwhile (a disk full at the start may have room
+        now). Returns how many of them are lost: they used to go with the process, and unsaid."""
+        with self._lock:
+            learned = sorted(self._learned_in_memory.values(), key=lambda e: e.created)
+            self._learned_in_memory = {}
+        if self.path is None or not learned:
+            return 0
+        try:
+            with closing(self._open_file(self.path)) as conn, conn:
+                for entry in learned:
+                    self._insert(conn, entry)
+        except (OSError, sqlite3.Error) as exc:
+            log.debug("%s still cannot be written: %s", self.path, exc)
+            return len(learned)
+        log.warning("%s can be written now: stored the %d correction(s) learned in memory", self.path, len(learned))
+        return 0
 
     @staticmethod
     def _copy_readable(path: Path, conn: sqlite3.Connection) -> str:
@@ -164,13 +199,9 @@ class LearnedStore:
         if not path.is_file():
             return ""
         try:
-            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as stored:
-                columns = {row[1] for row in stored.execute("PRAGMA table_info(learned)")}
-                kind = "kind" if "kind" in columns else "'trigger'"
-                rows = stored.execute(f"SELECT tap, capability, message, previous, session, created, {kind} "
-                                      "FROM learned").fetchall()
+            rows = _read_only_rows(path)
         except sqlite3.Error as exc:
-            return f" (its contents cannot be read either: {exc}; it is left as it is)"
+            return f" (its contents cannot be read either: {exc})"
         conn.executemany("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
         conn.commit()
         return f" (the {len(rows)} it holds are used, read-only)"
@@ -198,7 +229,7 @@ class LearnedStore:
         write or :meth:`version` check stores it."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        entry = Learned(canonical_tap(tap), capability, message, previous, session, time.time(), kind)
+        entry = Learned(canonical_tap(tap), capability, message, previous, session, self._now(), kind)
         try:
             with self._cursor() as conn:
                 stored = self._insert(conn, entry)
@@ -207,10 +238,26 @@ class LearnedStore:
                 log.error("cannot record a learned example for %s: %s", capability, exc)
                 return False
             return self._hold(entry, exc)
+        if stored and not self.persistent and self.path is not None:
+            with self._lock:
+                self._learned_in_memory[(entry.tap, entry.capability, entry.message)] = entry
         self._store_unsaved()
         return stored
 
+    def _now(self) -> float:
+        """``time.time()``, never earlier than this store's last correction: "latest" is by ``created``."""
+        with self._lock:
+            self._clock = max(time.time(), math.nextafter(self._clock, math.inf))
+            return self._clock
+
     def _insert(self, conn: sqlite3.Connection, entry: Learned) -> bool:
+        key = (entry.tap, entry.capability, entry.kind)
+        latest = conn.execute("SELECT MAX(created) FROM learned WHERE tap = ? AND capability = ? AND kind = ?",
+                              key).fetchone()[0]
+        if latest is not None and latest >= entry.created:
+            # The clock went back (or another process's runs ahead): a correction dated before the ones
+            # kept was the oldest, and dropped at once by the limit below, though it is the newest.
+            entry = replace(entry, created=math.nextafter(float(latest), math.inf))
         cursor = conn.execute(
             "INSERT INTO learned (tap, capability, message, previous, session, created, kind) "
             "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tap, capability, message) DO UPDATE SET "
@@ -219,7 +266,6 @@ class LearnedStore:
             (entry.tap, entry.capability, entry.message, entry.previous, entry.session, entry.created, entry.kind))
         if cursor.rowcount == 0:
             return False
-        key = (entry.tap, entry.capability, entry.kind)
         dropped = conn.execute(
             "DELETE FROM learned WHERE tap = ? AND capability = ? AND kind = ? AND rowid NOT IN ("
             "SELECT rowid FROM learned WHERE tap = ? AND capability = ? AND kind = ? "
@@ -300,6 +346,8 @@ class LearnedStore:
             held = [key for key, e in self._unsaved.items() if _matches(e, tap, capability, message, kind)]
             for key in held:
                 del self._unsaved[key]
+            for key in [k for k, e in self._learned_in_memory.items() if _matches(e, tap, capability, message, kind)]:
+                del self._learned_in_memory[key]
             if held and not self._unsaved:
                 self.error = None
                 set_busy_timeout(self._conn, self._wait_ms)
@@ -351,8 +399,9 @@ class LearnedStore:
             return version
 
     def close(self) -> int:
-        """Store what is held in memory (one last try), then close. Returns how many corrections
-        could not be stored and are lost with this process (0 normally)."""
+        """Store what is held in memory (one last try; for a store in memory since the start because
+        the file could not be used, what it learned), then close. Returns how many corrections could
+        not be stored and are lost with this process (0 normally)."""
         with self._lock:
             if self._unsaved and not self._closed:
                 set_busy_timeout(self._conn, self._wait_ms)  # the last try waits for a lock as a healthy write does
@@ -362,7 +411,28 @@ class LearnedStore:
                 return 0  # counted at the first close
             self._closed = True
             self._conn.close()
-            return len(self._unsaved)
+            lost = len(self._unsaved)
+        return lost + self._store_learned_in_memory()
+
+
+def _read_only_rows(path: Path) -> list[tuple[Any, ...]]:
+    """Every row of a learned file opened read-only. A WAL file closed cleanly has no ``-shm`` beside
+    it, and in a read-only directory SQLite cannot create one, so ``mode=ro`` alone fails ("unable to
+    open database file": the corrections were hidden); ``immutable=1`` reads the file as it is then.
+    The path is quoted: ``#``, ``?`` or ``%`` in a data directory's name would otherwise cut the URI."""
+    uri = f"file:{urllib.parse.quote(str(path.absolute()))}?mode=ro"
+    try:
+        return _rows(uri)
+    except sqlite3.OperationalError:
+        return _rows(uri + "&immutable=1")
+
+
+def _rows(uri: str) -> list[tuple[Any, ...]]:
+    with closing(sqlite3.connect(uri, uri=True)) as stored:
+        columns = {row[1] for row in stored.execute("PRAGMA table_info(learned)")}
+        kind = "kind" if "kind" in columns else "'trigger'"
+        return stored.execute(f"SELECT tap, capability, message, previous, session, created, {kind} "
+                              "FROM learned").fetchall()
 
 
 def canonical_tap(tap: Path | str) -> str:

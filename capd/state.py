@@ -130,6 +130,26 @@ def set_busy_timeout(conn: sqlite3.Connection, milliseconds: int) -> None:
         conn.execute(f"PRAGMA busy_timeout = {milliseconds}")
 
 
+def advice(path: Path, exc: BaseException, what: str) -> str:
+    """What to do about ``exc`` on the SQLite file ``path`` holding capd's ``what`` tables (session
+    state, learned corrections). Every error used to advise making the data directory writable (or
+    nothing at all), also for a directory in the file's place, a lock, a full disk or a damaged file."""
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+    if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+        return "the file is damaged; capd leaves it as it is: move it aside to start afresh"  # not a database
+    if path.is_dir():
+        return "a directory is in the file's place: move it aside (capd creates the file)"
+    if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return "another process holds the file locked: stop it (an open sqlite3 shell, a backup tool) or wait"
+    if code == sqlite3.SQLITE_FULL:
+        return "the disk is full: free some space, or use another --data-dir / CAPD_DATA_DIR"
+    if code == sqlite3.SQLITE_ERROR:  # no such table or column, a table already there: not capd's layout
+        return (f"the file does not hold capd's {what} tables (another program's, or edited); capd leaves it as "
+                "it is: move it aside to start afresh")
+    return ("make the data directory writable (--data-dir / CAPD_DATA_DIR), or move the file aside to start "
+            "afresh")  # cannot create, open or write it
+
+
 class SessionStore:
     """Sessions in SQLite, cached in memory. Thread-safe; a write holds the file only to commit."""
 
@@ -185,12 +205,7 @@ class SessionStore:
         return conn
 
     def _fail(self, doing: str, exc: BaseException) -> StateError:
-        if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
-            fix = "the file is damaged; capd leaves it as it is: move it aside to start afresh"  # not a database
-        else:  # cannot create, open or write it
-            fix = ("make the data directory writable (--data-dir / CAPD_DATA_DIR), or move the file aside to start "
-                   "afresh")
-        return StateError(f"{self.path}: cannot {doing} session state: {exc}; {fix}")
+        return StateError(f"{self.path}: cannot {doing} session state: {exc}; {advice(self.path, exc, 'session')}")
 
     def _open(self, timeout: float) -> sqlite3.Connection:
         try:
@@ -223,7 +238,7 @@ class SessionStore:
         try:
             conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            version = int(row[0]) if row else 0
+            version = self._version(row[0]) if row else 0
             if version > SCHEMA_VERSION:
                 raise StateError(f"{self.path}: session state has schema {version}, newer than this capd "
                                  f"understands ({SCHEMA_VERSION}); upgrade capd or use another --data-dir")
@@ -238,6 +253,15 @@ class SessionStore:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+
+    def _version(self, value: object) -> int:
+        """The stored schema version; a value that is no version number (a damaged or edited file)
+        used to escape as a bare ValueError, failing the daemon's start without naming the file."""
+        try:
+            return int(str(value))
+        except ValueError:
+            raise StateError(f"{self.path}: session state has schema version {value!r}, which is not a number: "
+                             "the file is damaged; capd leaves it as it is: move it aside to start afresh") from None
 
     def _load(self) -> dict[str, SessionRecord]:
         assert self._conn is not None

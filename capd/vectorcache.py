@@ -121,7 +121,16 @@ class VectorCache:
                     return self._connect(self.path)
                 except _Unusable:
                     self._set_aside(self.path, str(exc))
-                return self._connect(self.path)
+                return self._connect_fresh(self.path)
+
+    @classmethod
+    def _connect_fresh(cls, path: Path) -> sqlite3.Connection:
+        """A connection to the new file that replaces one set aside; one that is unusable as well
+        says so as a :class:`CacheError` (the caller falls back to memory), never escapes."""
+        try:
+            return cls._connect(path)
+        except _Unusable as exc:
+            raise CacheError(f"{path}: a new vector cache cannot be created there: {exc}") from None
 
     def _replace_corrupt(self, why: str) -> sqlite3.Connection:
         """Called when a query found the file corrupt: set it aside unless another process already did."""
@@ -135,7 +144,7 @@ class VectorCache:
             except (_Unusable, sqlite3.DatabaseError):
                 pass
             self._set_aside(self.path, why)
-            return self._connect(self.path)
+            return self._connect_fresh(self.path)
 
     @staticmethod
     def _connect(path: Path) -> sqlite3.Connection:
@@ -191,8 +200,21 @@ class VectorCache:
                 if self.path is None:
                     raise CacheError(f"in-memory vector cache: {exc}") from None
                 self._conn.close()
-                self._conn = self._replace_corrupt(str(exc))
+                try:
+                    self._conn = self._replace_corrupt(str(exc))
+                except (OSError, CacheError) as err:
+                    raise self._to_memory(f"the vector cache is unusable ({exc}) and cannot be replaced: {err}") \
+                        from None
                 return _in_transaction(self._conn, immediate, operation)
+
+    def _to_memory(self, why: str) -> CacheError:
+        """Carry on in memory, as :meth:`open` does with a file it cannot use, and say why. A damaged
+        file that could not be set aside (the directory remounted read-only after disk errors, its
+        ``.lock`` held) used to raise OSError out of every later lookup: a traceback in a route."""
+        path, self.path = self.path, None
+        self._conn = self._memory()
+        log.warning("%s: %s; using an in-memory cache until capd restarts", path, why)
+        return CacheError(f"{path}: {why}")
 
     def get_many(self, model_id: str, hashes: Sequence[str]) -> dict[str, Vectors]:
         """Vectors found for these text hashes (missing ones are simply absent)."""
@@ -326,9 +348,17 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
     return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
+# Errors of the file's surroundings, not its contents: a full disk (SQLITE_FULL) used to be taken for
+# a corrupt file, set aside, and the fresh cache failing the same way escaped as a traceback.
+_ACCESS_CODES = (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM, sqlite3.SQLITE_IOERR,
+                 sqlite3.SQLITE_FULL, sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_AUTH)
+
+
 def _is_access_error(exc: sqlite3.OperationalError) -> bool:
+    if getattr(exc, "sqlite_errorcode", 0) & 0xFF in _ACCESS_CODES:
+        return True
     text = str(exc).lower()
-    return any(s in text for s in ("unable to open", "readonly", "read-only", "permission", "disk i/o"))
+    return any(s in text for s in ("unable to open", "readonly", "read-only", "permission", "disk i/o", "disk is full"))
 
 
 def _check_or_init(conn: sqlite3.Connection, path: Path) -> None:

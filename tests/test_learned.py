@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
+import subprocess
+import time
 import tomllib
 from collections.abc import Iterator
 from contextlib import closing
@@ -74,6 +77,24 @@ def test_each_capability_keeps_its_latest_corrections_of_each_kind(tmp_path: Pat
     assert len(LearnedStore.open(tmp_path, limit=3).entries()) == 5  # durable, as trimmed
     with pytest.raises(ValueError, match="at least 1"):
         LearnedStore(None, limit=0)
+
+
+def test_a_correction_made_after_the_clock_went_back_is_kept(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """"Latest" is by the time recorded: with the clock set back (NTP, a VM resumed) a new correction
+    was dated before the ones kept, so at the limit it was the oldest and dropped at once, though
+    `record` said it was stored. Also across a restart, and for one process's consecutive corrections."""
+    with closing(LearnedStore.open(tmp_path, limit=2)) as store:
+        store.record(CORE, "docker", "turn 1")
+        store.record(CORE, "docker", "turn 2")
+    now = time.time()
+    monkeypatch.setattr("capd.learned.time.time", lambda: now - 3600)
+    with closing(LearnedStore.open(tmp_path, limit=2)) as store:
+        assert store.record(CORE, "docker", "turn 3")
+        assert store.for_tap(CORE) == {"docker": ("turn 2", "turn 3")}
+        monkeypatch.setattr("capd.learned.time.time", lambda: now - 7200)
+        assert store.record(CORE, "docker", "turn 4")
+        assert store.for_tap(CORE) == {"docker": ("turn 3", "turn 4")}
 
 
 def test_the_daemon_keeps_as_many_corrections_as_learn_max(settings_factory: SettingsFactory) -> None:
@@ -200,6 +221,70 @@ def test_a_file_that_cannot_be_written_still_lends_its_corrections(tmp_path: Pat
     assert store.error is not None and "the 1 it holds are used, read-only" in store.error
     result = CliRunner().invoke(main, ["learned", "forget", "docker", "--data-dir", str(tmp_path), "--port", "1"])
     assert result.exit_code == 1 and "cannot store learned examples" in result.stderr
+
+
+def test_a_truly_read_only_data_directory_still_lends_its_corrections(tmp_path: Path) -> None:
+    """In a real read-only directory (not a refused connect), a WAL file closed cleanly has no -shm,
+    which SQLite cannot create there: `mode=ro` failed too, so every correction was hidden ("0
+    learned", exports empty, the daemon routing without them). A '#' in the path cut the URI."""
+    data = tmp_path / "data #1 ü"
+    with closing(LearnedStore.open(data)) as store:
+        store.record(CORE, "docker", MISS)
+    assert not list(data.glob("*-shm"))
+    try:
+        if not _freeze(data):
+            pytest.skip("cannot make a directory read-only here (root without chattr)")
+        with closing(LearnedStore.open(data)) as store:
+            assert not store.persistent
+            assert store.for_tap(CORE) == {"docker": (MISS,)}
+            assert store.error is not None and "the 1 it holds are used, read-only" in store.error
+    finally:
+        _thaw(data)
+
+
+def _freeze(path: Path) -> bool:
+    """Make a directory read-only even for root (chattr +i) if chmod does not stop us; False if impossible."""
+    path.chmod(0o555)
+    if not os.access(path, os.W_OK):
+        return True
+    return subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode == 0
+
+
+def _thaw(path: Path) -> None:
+    subprocess.run(["chattr", "-i", str(path)], capture_output=True, check=False)
+    path.chmod(0o755)
+
+
+def test_a_file_that_cannot_be_opened_says_what_to_do(tmp_path: Path) -> None:
+    """The error named the file and SQLite's words ("file is not a database", "unable to open
+    database file": a directory in its place) but not what to do about it."""
+    damaged = tmp_path / "bad" / "learned.sqlite3"
+    damaged.parent.mkdir()
+    damaged.write_bytes(b"not a database" * 100)
+    with closing(LearnedStore(damaged)) as store:
+        assert store.error is not None and "the file is damaged" in store.error and "move it aside" in store.error
+    assert damaged.read_bytes() == b"not a database" * 100
+    directory = tmp_path / "dir" / "learned.sqlite3"
+    directory.mkdir(parents=True)
+    with closing(LearnedStore(directory)) as store:
+        assert store.error is not None and "a directory is in the file's place" in store.error
+
+
+def test_corrections_learned_while_the_file_could_not_be_opened_are_stored_at_the_stop(tmp_path: Path) -> None:
+    """A file that cannot be opened at the start (a disk full then, a directory in its place) left the
+    store in memory for the whole run: what it learned went with the process, and close() said 0 lost."""
+    path = tmp_path / "learned.sqlite3"
+    path.mkdir()
+    store = LearnedStore(path)
+    assert not store.persistent and store.record(CORE, "docker", MISS)
+    assert store.record(CORE, "git", "undo my last save point") and store.forget(capability="git") == 1
+    assert store.close() == 1  # said: the caller warns that it is lost
+    store = LearnedStore(path)
+    assert store.record(CORE, "docker", MISS)
+    path.rmdir()  # fixed while the daemon ran
+    assert store.close() == 0
+    with closing(LearnedStore(path)) as reopened:
+        assert [(e.capability, e.message) for e in reopened.entries()] == [("docker", MISS)]
 
 
 def test_a_damaged_file_is_reported_in_health_and_left_alone(tmp_path: Path,

@@ -126,6 +126,41 @@ def test_a_file_that_is_not_a_database(tmp_path: Path) -> None:
     assert path.read_bytes() == b"this is not sqlite" * 100  # left as it is
 
 
+def test_a_schema_version_that_is_not_a_number(tmp_path: Path) -> None:
+    """It used to escape as a bare ValueError ("invalid literal for int()"): the daemon failed to
+    start, naming no file, instead of serving sessions from memory."""
+    path = tmp_path / FILENAME
+    SessionStore(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE meta SET value = 'x' WHERE key = 'schema_version'")
+    db.close()
+    with pytest.raises(StateError, match=r"sessions\.sqlite3: .*schema version 'x'.*damaged.*move it aside"):
+        SessionStore(path)
+    with sqlite3.connect(path) as db:  # left as it is
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("x",)
+    db.close()
+
+
+def test_the_advice_fits_what_is_wrong(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every failure used to advise making the data directory writable, also where it is."""
+    monkeypatch.setattr("capd.state.OPEN_WAIT", 0.05)
+    path = tmp_path / FILENAME
+    path.mkdir()
+    with pytest.raises(StateError, match="a directory is in the file's place") as info:
+        SessionStore(path)
+    path.rmdir()
+    with sqlite3.connect(path) as db:  # another program's tables
+        db.execute("CREATE TABLE sessions (who TEXT, what TEXT)")
+    db.close()
+    with pytest.raises(StateError, match="does not hold capd's session tables") as other:
+        SessionStore(path)
+    path.unlink()
+    SessionStore(path).close()
+    with file_held(path), pytest.raises(StateError, match="another process holds the file locked") as locked:
+        SessionStore(path, timeout=0.05)
+    assert not any("writable" in str(e.value) for e in (info, other, locked))
+
+
 def test_unreadable_rows_are_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / FILENAME
     with SessionStore(path) as store:

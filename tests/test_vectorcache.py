@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from filelock import FileLock
 
 from capd import vectorcache
 from capd.encoder import HashEncoder, Vectors
@@ -263,6 +264,32 @@ def test_corruption_found_mid_file_is_recovered(tmp_path: Path, caplog: pytest.L
     assert list(tmp_path.glob(f"{CACHE_FILE}.corrupt-*")) and "unusable" in caplog.text
 
 
+def test_a_damaged_file_that_cannot_be_set_aside_carries_on_in_memory(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Damage found while serving, when the file cannot be replaced (here its lock is held; the data
+    directory remounted read-only after disk errors does the same): every later lookup used to
+    raise OSError (filelock's Timeout, PermissionError) past CachedEmbedder, a traceback in a route."""
+    with VectorCache.open(tmp_path) as cache:
+        cache.put_many("m", [(f"k{i}", np.ones(64, dtype=np.float32)) for i in range(2000)])
+    cache = VectorCache.open(tmp_path)
+    path = tmp_path / CACHE_FILE
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    data = bytearray(path.read_bytes())
+    page = 4096
+    data[2 * page:len(data) - page] = b"\xa5" * (len(data) - 3 * page)
+    with path.open("r+b") as handle:  # in place: the open connection reads the damage
+        handle.write(bytes(data))
+    monkeypatch.setattr(vectorcache, "BUSY_TIMEOUT_S", 0.05)
+    with FileLock(str(path) + ".lock"):
+        embedder = CachedEmbedder(CountingEncoder(), cache)
+        assert embedder.embed(["k1", "k2"])[1:] == (2, 0)  # embedded, not a traceback
+        assert embedder.embed(["k1", "k3"])[1:] == (1, 1)  # and cached in memory from now on
+    assert not cache.persistent
+    cache.close()
+
+
 def test_unwritable_data_dir_falls_back_to_memory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("the data dir cannot be created under a file")
@@ -273,6 +300,30 @@ def test_unwritable_data_dir_falls_back_to_memory(tmp_path: Path, caplog: pytest
     assert embedder.embed(["a", "b"])[1:] == (2, 0)
     assert embedder.embed(["a", "b"])[1:] == (0, 2)  # still de-duplicates within the process
     cache.close()
+
+
+def test_a_full_disk_falls_back_to_memory_and_sets_nothing_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk is not corruption: opening a new cache on one used to set the empty file aside as
+    "not a readable SQLite database (database or disk is full)", then fail the same way on the fresh
+    file and escape as a traceback (`capd index`, the daemon's start)."""
+    connect = sqlite3.connect
+
+    def full(database: str, *args: object, **kwargs: object) -> sqlite3.Connection:
+        conn = connect(database, *args, **kwargs)  # type: ignore[arg-type]
+        if database != ":memory:":  # SQLite's own SQLITE_FULL once the file would grow
+            conn.execute("PRAGMA max_page_count = 1")
+        return conn
+
+    monkeypatch.setattr(vectorcache.sqlite3, "connect", full)
+    with caplog.at_level(logging.WARNING, logger="capd.vectorcache"):
+        cache = VectorCache.open(tmp_path)
+    monkeypatch.undo()
+    assert not cache.persistent and "database or disk is full" in caplog.text
+    embedder = CachedEmbedder(CountingEncoder(), cache)
+    assert embedder.embed(["a", "b"])[1:] == (2, 0)  # still serves, from memory
+    cache.close()
+    assert not list(tmp_path.glob("*.corrupt-*"))
 
 
 def test_other_schema_version_is_set_aside(tmp_path: Path) -> None:
