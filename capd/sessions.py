@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 import threading
 import time
@@ -210,6 +211,8 @@ class SessionRegistry:
         self.ttl = float(ttl)
         self._catalog = catalog
         self._clock = clock
+        self._latest = 0.0  # the latest time _now gave
+        self._latest_guard = threading.Lock()
         self._locks: dict[str, _LockEntry] = {}
         self._locks_guard = threading.Lock()
         self._degraded = False
@@ -248,7 +251,7 @@ class SessionRegistry:
             capability = catalog.get(name)
             if capability is None:
                 raise UnknownCapability(name)
-            now = self._clock()
+            now = self._now()
             change = self._begin(session, catalog, now)
             entry = change.active.get(name)
             if entry is not None:
@@ -271,7 +274,7 @@ class SessionRegistry:
                 raise PinnedCapability(name)
             if name not in catalog and name not in self.active_names(session):
                 raise UnknownCapability(name)
-            now = self._clock()
+            now = self._now()
             change = self._begin(session, catalog, now)
             removed = name in change.active
             if removed:
@@ -294,7 +297,7 @@ class SessionRegistry:
         """Apply catalog and settings changes: tear down deleted capabilities, start newly present pinned ones."""
         with self.locked(session):
             catalog = self._catalog()
-            now = self._clock()
+            now = self._now()
             return self._commit(self._begin(session, catalog, now), now)
 
     def drop(self, session: str) -> Plan:
@@ -316,7 +319,7 @@ class SessionRegistry:
         """Report a tool call. On success bump every active capability granting it; returns their names."""
         with self.locked(session):
             record = self._require(session)
-            now = self._clock()
+            now = self._now()
             bumped = [a.name for a in record.active if ok and any(
                 s.name == server and tool_allowed(s.tools, tool) for s in a.servers)]
             active = tuple(replace(a, last_used=now) if a.name in bumped else a for a in record.active)
@@ -342,7 +345,7 @@ class SessionRegistry:
         for session in self.store.ids():
             with self.locked(session):
                 record = self.store.get(session)
-                if record is not None and self._idle(record, self._clock()):
+                if record is not None and self._idle(record, self._now()):
                     self._persist(self.store.delete, session)
                     self._notify(self.on_end, session)
                     expired.append(session)
@@ -351,6 +354,16 @@ class SessionRegistry:
         return expired
 
     # -- internals ---------------------------------------------------------------------------------
+    def _now(self) -> float:
+        """The clock, never going back while this registry runs: eviction picks the capability used
+        least recently by these times, and after the system clock was set back the one just used
+        looked the oldest (idle times past a jump back last longer by the jump, never shorter)."""
+        with self._latest_guard:
+            now = self._clock()
+            # behind: just after the latest, so that what is used after a jump back is the newest
+            self._latest = now if now >= self._latest else math.nextafter(self._latest, math.inf)
+            return self._latest
+
     def _drop_invalid_ids(self) -> None:
         """Drop stored sessions whose id is no longer valid (``.`` and ``..``, which capd accepted
         before ids had to hold a character other than a dot): no request can name them, and every
@@ -366,7 +379,7 @@ class SessionRegistry:
         """The session's record; None if there is none or it has been idle past ``ttl`` (left for
         the sweep or the next plan, which tears its capabilities down: see the module docstring)."""
         record = self.store.get(check_session_id(session))
-        return None if record is None or self._idle(record, self._clock()) else record
+        return None if record is None or self._idle(record, self._now()) else record
 
     def _idle(self, record: SessionRecord, now: float) -> bool:
         """Idle for longer than ``ttl``: expired, whether or not the sweep has dropped it yet."""

@@ -200,6 +200,17 @@ def test_failed_tool_result_bumps_nothing(make: Make, clock: Clock) -> None:
     assert removed(registry.activate("s1", "github")) == [("git", "git", True)]
 
 
+def test_the_clock_set_back_does_not_make_the_capability_just_used_the_oldest(make: Make, clock: Clock) -> None:
+    registry = make(max_active=2)
+    registry.activate("s1", "git")
+    clock.tick()
+    registry.activate("s1", "docker")
+    clock.tick(-3600)  # the system clock is set back an hour
+    registry.activate("s1", "git")  # used again: now the most recent
+    plan = registry.activate("s1", "github")
+    assert plan.removed == ("docker",) and registry.active_names("s1") == ("git", "github")
+
+
 def test_ties_on_last_used_evict_the_earliest_activated(make: Make) -> None:
     registry = make(max_active=3)  # the clock never moves
     for name in ("github", "git", "docker"):
