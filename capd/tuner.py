@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 TUNE_DELAY = 30.0  # seconds of quiet after a tap edit before the daemon retunes (edits come in bursts)
 TOO_FEW = "nothing to tune on: fewer than two capabilities with two or more examples"
+HASH_UNTUNABLE = ("the built-in hash model cannot be tuned: it has no weights; tune a real model "
+                  "(capd models lists them)")
 
 
 @dataclass
@@ -53,6 +55,11 @@ class Tuning:
     def failed(self, error: str) -> None:
         self.status, self.error = "failed", error
         log.error("%s", error)
+
+    def current(self) -> None:
+        """The tuned model in use is the one the catalog asks for: the reason of a past failure no
+        longer holds."""
+        self.status, self.error = "ready", None
 
     def switched(self, key: str, model: Path) -> None:
         """Routing moved to the tuned model ``key`` (``stale`` if the catalog already asks for another)."""
@@ -97,6 +104,8 @@ class Tuner:
         self.state = Tuning(enabled=settings.tune and settings.model != HASH_MODEL)
         if self.state.enabled:
             self.state.status = "untuned"  # until the start adopts or tunes one
+        elif settings.tune:  # asked for, and off: health and `capd tune` say why
+            self.state.error = HASH_UNTUNABLE
         self.recipe: Recipe = RECIPE  # tests use a shorter one
         self._catalog_now = catalog_now
         self._use = use
@@ -124,7 +133,7 @@ class Tuner:
         else:
             self.state.wanted = wanted
             if wanted == self.state.key:
-                self.state.status = "ready"
+                self.state.current()
             elif wanted == self._training:
                 self.state.status = "tuning"
             elif self.state.key is not None or self._training is not None:
@@ -141,7 +150,7 @@ class Tuner:
         target = self.target(self._catalog_now())
         key = self.state.wanted = target.key
         if key == self.state.key:
-            self.state.status = "ready"
+            self.state.current()
             return
         path = tuned_dir(self.settings.data_dir, key)
         if is_tuned(path):
@@ -163,7 +172,8 @@ class Tuner:
         self._thread.start()
 
     def close(self) -> None:
-        """Cancel a pending retune and kill a training child (its half-written model is swept later)."""
+        """Cancel a pending retune and kill a training child (:func:`~capd.tuning.run_child` then
+        sweeps its half-written model; the run ends quietly, not as a failure)."""
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
@@ -180,6 +190,12 @@ class Tuner:
         try:
             summary = run_child(target.base, target.groups, path, self.recipe, started=self._children)
         except Exception as exc:
+            if self._closed:  # close() killed the child: a stop, not a failure
+                log.info("tuning %s stopped: capd is stopping", key)
+                return
+            if self._undone(key):
+                log.warning("tuning %s failed, but the taps no longer ask for it: %s", key, exc)
+                return
             self.state.failed(str(exc))
             return
         finally:
@@ -189,9 +205,18 @@ class Tuner:
             return
         if key != self.state.wanted:
             log.info("the tuned model %s is no longer wanted (the taps changed meanwhile); not loading it", path)
-            self.state.status = "stale" if self.state.key is not None else "untuned"
+            if not self._undone(key):
+                self.state.status = "stale" if self.state.key is not None else "untuned"
             return
         self._use(path, key)
+
+    def _undone(self, key: str) -> bool:
+        """Whether the edit that asked for ``key`` was undone while it was tuned: the taps ask again
+        for the tuned model in use, so health says ``ready`` (then this run's outcome is moot)."""
+        if key == self.state.wanted or self.state.key is None or self.state.key != self.state.wanted:
+            return False
+        self.state.current()
+        return True
 
     def _tune_in_background(self, target: Target, path: Path) -> None:
         self._tune(target, path)

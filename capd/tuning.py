@@ -26,7 +26,8 @@ Processes: the child dies with the process that started it (:func:`die_with_pare
 A per-key lock (``tuned/.KEY.lock``, ``flock``) lets one process train a key at a time; another
 one waits and then uses its result. The kernel drops the lock when its holder dies, so a
 crashed holder never blocks anyone. Leftovers of killed runs (``.KEY.PID.tmp``,
-``.KEY.PID.spec.json``) are swept at the next tuning or prune once their PID is gone.
+``.KEY.PID.spec.json``) are swept at the next tuning or prune once their PID is gone; a child
+that failed (a full disk) or was killed has its own swept by its parent at once.
 
 Where tuned models are kept, which are in use and which are pruned: :mod:`capd.tuned_models`;
 when a service tunes: :mod:`capd.tuner`.
@@ -43,6 +44,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -67,6 +69,7 @@ VERSION = "tune-1"  # bump when the training code changes what a recipe produces
 NICE = 10
 ERROR_PREFIX = "capd tuning: error: "  # the child's last stderr line when it fails: the reason shown
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+OS_ERROR = re.compile(r"\(os error \d+\)")  # an OSError as Rust libraries word it
 PARENT_POLL = 0.5  # seconds between checks of the parent where prctl is unavailable
 
 
@@ -116,7 +119,8 @@ def key_lock(out: Path) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("tuning: another process is tuning %s; waiting for its result", out.name)
+            # a warning: `capd tune` shows nothing else while it waits, maybe for minutes
+            log.warning("tuning: another process is tuning %s; waiting for its result", out.name)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -243,10 +247,10 @@ def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE
             log.info("tuning: %s was tuned by another process; using it", out)
             return {**_summary(out), "seconds": None}
         spec = out.with_name(f".{out.name}.{os.getpid()}.spec.json")
-        spec.write_text(json.dumps({"base": str(base_dir), "out": str(out), "groups": groups,
-                                    "recipe": asdict(recipe)}), encoding="utf-8")
         errors: list[str] = []
         try:
+            spec.write_text(json.dumps({"base": str(base_dir), "out": str(out), "groups": groups,
+                                        "recipe": asdict(recipe)}), encoding="utf-8")
             child = subprocess.Popen([sys.executable, "-m", "capd.tuning", str(spec), "--parent", str(os.getpid())],
                                      stderr=subprocess.PIPE,
                                      preexec_fn=lambda: os.nice(NICE))  # only os.nice: safe between fork and exec
@@ -260,8 +264,21 @@ def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE
             spec.unlink(missing_ok=True)
         if is_tuned(out):  # published: complete even if the child was killed afterwards
             return _summary(out)
-    reason = errors[-1] if errors else f"exit {code}"
+        # the child is gone (reaped): its half-written copy (~90 MB, often on the disk that just
+        # filled up) goes now, not at the next tuning, which after a failure may never come
+        sweep(out.parent)
+    reason = errors[-1] if errors else _ended(code)
     raise ModelError(f"tuning failed ({reason}); the untuned model stays in use")
+
+
+def _ended(code: int) -> str:
+    """How a child that printed no error ended: ``killed by SIGKILL`` (the kernel's out-of-memory
+    killer, or someone's ``kill -9``) says more than ``exit -9``."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit {code}"
 
 
 def _summary(out: Path) -> dict[str, Any]:
@@ -306,6 +323,13 @@ def die_with_parent(parent: int) -> None:
         threading.Thread(target=watch, name="capd-tune-parent", daemon=True).start()
 
 
+def _environmental(exc: Exception) -> bool:
+    """A full disk, a missing file or bad input rather than a bug: its message says it all. Rust
+    libraries (safetensors saving the weights, tokenizers) report an OS error as their own
+    exception type whose message ends in ``(os error N)``."""
+    return isinstance(exc, (OSError, CapdError)) or OS_ERROR.search(str(exc)) is not None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Child-process entry: ``python -m capd.tuning SPEC.json``."""
     parser = argparse.ArgumentParser(description="capd's tuning worker (started by capd itself)")
@@ -320,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         groups = [(str(name), [str(t) for t in texts]) for name, texts in spec["groups"]]
         summary = train(Path(spec["base"]), groups, Path(spec["out"]), Recipe(**spec.get("recipe", {})))
     except Exception as exc:  # the last line is the reason the parent reports (health, capd tune)
-        if not isinstance(exc, (OSError, CapdError)):  # a bug, not a full disk or bad input: keep the trace
+        if not _environmental(exc):  # a bug, not a full disk or bad input: keep the trace
             traceback.print_exc()
         sys.stderr.write(f"{ERROR_PREFIX}{exc}\n")
         return 1

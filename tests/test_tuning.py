@@ -361,6 +361,35 @@ def test_cli_tune_fails_clearly_with_nothing_to_tune(tmp_path: Path, model_setti
     assert "nothing to tune on" in result.output
 
 
+def test_tune_list_never_advises_a_tuning_that_would_refuse(tmp_path: Path, model_settings: Settings) -> None:
+    """One capability: --list said "no tuned model for these taps yet (KEY): capd tune", and
+    `capd tune` then failed with "nothing to tune on"."""
+    tap = tmp_path / "tap"
+    write_capability(tap, "only", ["a single capability cannot be contrasted", "nor can two of its triggers"])
+    data = isolated_data_dir(model_settings, tmp_path).data_dir
+    args = ["tune", "--list", "--tap", str(tap), "--data-dir", str(data)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "no tuned model for these taps: nothing to tune on: fewer than two capabilities " \
+                            "with two or more examples\n"
+    assert json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)["wanted"] is None
+
+
+def test_cli_tune_says_the_hash_model_cannot_be_tuned_and_still_lists(tmp_path: Path) -> None:
+    """`capd tune --model hash` said only "tuning did not complete: off", and `--list` failed
+    with "model 'hash' is built in and has no files" instead of listing the data directory."""
+    tap = write_tap(tmp_path / "tap")
+    fake_models(tmp_path / "data", ["ab12"])
+    args = ["tune", "--model", "hash", "--tap", str(tap), "--data-dir", str(tmp_path / "data")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1
+    assert "the built-in hash model cannot be tuned" in result.stderr
+    assert json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)["error"].startswith("the built-in hash")
+    listed = CliRunner().invoke(main, [*args, "--list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert [(r["key"], r["current"]) for r in json.loads(listed.stdout)["tuned"]] == [("ab12", False)]
+
+
 def test_hard_batches_fill_a_batch_with_the_nearest_capabilities() -> None:
     items = [(label, f"c{label} a{j}", f"c{label} b{j}") for label in range(6) for j in range(2)]
     for batch in hard_batches(items, 3, random.Random(0), NEIGHBOURS)[:2]:  # every capability still pending

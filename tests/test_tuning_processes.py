@@ -184,3 +184,101 @@ def test_leftovers_of_killed_runs_are_swept(tmp_path: Path) -> None:
     prune(tmp_path, "k0")
     assert sorted(p.name for p in root.iterdir()) == sorted(
         [f".k2.{os.getpid()}.tmp", f".k2.{os.getpid()}.spec.json", "k0"])
+
+
+FILL_DISK_THEN_FAIL = """
+import json, os, sys
+from pathlib import Path
+out = Path(json.loads(Path(sys.argv[1]).read_text())["out"])
+scratch = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # where train() saves, as the child
+scratch.mkdir()
+(scratch / "model.safetensors").write_bytes(b"w" * 1000)  # the weights fit; the tokenizer did not
+sys.stderr.write("capd tuning: error: No space left on device (os error 28)\\n")
+sys.exit(1)
+"""
+
+
+def test_a_failed_tuning_removes_its_half_written_copy_at_once(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk: the child's ~90 MB half-saved copy stayed in tuned/ (keeping the disk full)
+    until some later tuning swept it, and a daemon does not retune a key that failed."""
+    real_popen = subprocess.Popen
+
+    def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        spec = next(a for a in argv if a.endswith(".spec.json"))
+        return real_popen([sys.executable, "-c", FILL_DISK_THEN_FAIL, spec], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    out = tuned_dir(tmp_path, "k")
+    with pytest.raises(ModelError, match=r"No space left on device"):
+        run_child(tmp_path / "no-model", GROUPS, out)
+    assert sorted(p.name for p in out.parent.iterdir()) == [".k.lock"]
+
+
+def test_a_full_disk_while_saving_says_so_without_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """safetensors reports ENOSPC as its own SafetensorError, not an OSError: the child printed
+    a traceback for it, as for a bug in capd, into the daemon's log."""
+    from safetensors import SafetensorError
+
+    import capd.tuning as tuning
+
+    def full_disk(*_: Any, **__: Any) -> dict[str, Any]:
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(tuning, "train", full_disk)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"base": "b", "out": str(tmp_path / "k"), "groups": GROUPS}), encoding="utf-8")
+    assert tuning.main([str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.endswith(f"{tuning.ERROR_PREFIX}Error while serializing: I/O error: No space left on device "
+                        "(os error 28)\n")
+
+
+def test_a_killed_tuning_child_says_it_was_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The out-of-memory killer (or a kill -9) ends the child without an error line: the reason
+    was "exit -9"."""
+    real_popen = subprocess.Popen
+
+    def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        return real_popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                          **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(ModelError, match=r"^tuning failed \(killed by SIGKILL\); "):
+        run_child(tmp_path / "no-model", GROUPS, tuned_dir(tmp_path, "k"))
+
+
+WAIT_FOR_KEY = """
+import sys
+from pathlib import Path
+from capd.tuning import key_lock
+with key_lock(Path(sys.argv[1])):
+    print("got it", flush=True)
+"""
+
+
+def test_a_process_waiting_for_another_ones_tuning_says_so(tmp_path: Path) -> None:
+    """A second `capd tune` on one data directory waited minutes without a word: the notice was
+    logged at INFO, which the CLI does not show."""
+    import fcntl
+    import select
+
+    out = tuned_dir(tmp_path, "k")
+    out.parent.mkdir(parents=True)
+    with open(out.with_name(".k.lock"), "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = subprocess.Popen([sys.executable, "-c", WAIT_FOR_KEY, str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            assert waiter.stderr is not None and waiter.stdout is not None
+            assert select.select([waiter.stderr], [], [], 10)[0], "nothing said while waiting"
+            assert "another process is tuning k; waiting for its result" in waiter.stderr.readline()
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+    try:
+        assert waiter.stdout.readline() == "got it\n"
+    finally:
+        waiter.kill()
+        waiter.wait()

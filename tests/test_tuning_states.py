@@ -234,3 +234,102 @@ def test_lint_embeddings_names_the_untuned_model_it_checks_with(tmp_path: Path, 
     settings = replace(model_settings, taps=(tap,), tune=True)
     (problem,) = near_duplicates(load_catalog([tap]), settings)
     assert "all-minilm-l6-v2, untuned" in problem.reason
+
+
+def test_stopping_while_tuning_is_not_a_failure(tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """close() kills the training child: every daemon stopped mid-tuning logged "ERROR tuning
+    failed (exit -9); the untuned model stays in use" and said ``failed``."""
+    import subprocess
+    import sys
+
+    real_popen = subprocess.Popen
+
+    def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:  # a child that trains for a long time
+        return real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    service = Service(tuned_settings, sessions=True).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not service.tuner._children:
+            assert time.monotonic() < deadline, "the tuning child did not start"
+            time.sleep(0.05)
+    finally:
+        service.close()
+    wait_idle(service)
+    assert service.tuning.status == "tuning" and service.tuning.error is None, service.tuning
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+def test_health_drops_the_reason_of_a_past_failure_once_the_tuned_model_fits_again(
+        tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edit leaves too few examples (the reason is shown), an edit back restores the tuned
+    model's taps: health said ``ready`` with the error "nothing to tune on" still in it."""
+    import shutil
+
+    monkeypatch.setattr(tuner_module, "TUNE_DELAY", 0.05)
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning([]))
+    tap = tuned_settings.taps[0]
+    service = Service(tuned_settings, sessions=True).start()
+    try:
+        wait_idle(service)
+        first = service.tuning.key
+        assert service.tuning.status == "ready" and first is not None, service.tuning
+        for name in ("docker", "calendar"):
+            shutil.rmtree(tap / "capabilities" / name)
+        service.reload()
+        deadline = time.monotonic() + 10
+        while service.tuning.error is None:
+            assert time.monotonic() < deadline, service.tuning
+            time.sleep(0.05)
+        assert service.tuning.status == "stale" and "nothing to tune on" in str(service.tuning.error)
+        write_tap(tap)
+        service.reload()
+        time.sleep(0.3)  # the retune timer fires and finds the model in use
+        wait_idle(service)
+        state = service.health()["tuning"]
+        assert (state["status"], state["key"], state["error"]) == ("ready", first, None), state
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["tuned", "failed"])
+def test_an_edit_undone_while_its_tuning_ran_leaves_health_ready(
+        tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    """An edit starts a retune; the edit is undone (the tuned model in use fits the taps again)
+    before it ends: health said ``stale`` (or ``failed``, if that tuning failed) until the next
+    retune timer, though the model in use is the one the taps ask for."""
+    monkeypatch.setattr(tuner_module, "TUNE_DELAY", 60.0)  # the retunes below are started by hand
+    gate = threading.Event()
+    trained: list[str] = []
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained))
+    service = Service(tuned_settings, sessions=True).start()
+    try:
+        wait_idle(service)
+        first = service.tuning.key
+        assert service.tuning.status == "ready" and first is not None, service.tuning
+        retune = fake_tuning(trained, gate)
+
+        def run_child(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            summary = retune(*args, **kwargs)
+            if fails:
+                raise CapdError("tuning failed (No space left on device); the untuned model stays in use")
+            return summary
+
+        monkeypatch.setattr(tuner_module, "run_child", run_child)
+        write_capability(tuned_settings.taps[0], "docker", [*TRIGGERS["docker"], "remove dangling images"])
+        service.reload()
+        service.tuner.ensure(background=True)  # the retune timer firing
+        assert service.tuning.status == "tuning", service.tuning
+        write_capability(tuned_settings.taps[0], "docker", TRIGGERS["docker"])  # undone
+        service.reload()
+        assert service.tuning.status == "ready"
+        gate.set()
+        wait_idle(service)
+        assert len(trained) == 2 and service.tuning.key == first, (trained, service.tuning)
+        state = service.health()["tuning"]
+        assert (state["status"], state["error"]) == ("ready", None), state
+    finally:
+        gate.set()
+        service.close()

@@ -65,11 +65,16 @@ def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mod
 
 
 def _list(settings: Settings, as_json: bool) -> None:
+    from capd.models import HASH_MODEL
     from capd.taps import load_catalog
     from capd.tuned_models import listing
-    from capd.tuner import target_for
+    from capd.tuner import TOO_FEW, target_for
 
-    wanted = target_for(settings, load_catalog(settings.taps)).key if settings.taps else None
+    wanted, too_few = None, False  # the hash model is never tuned: no tuned model is the taps' own
+    if settings.taps and settings.model != HASH_MODEL:
+        target = target_for(settings, load_catalog(settings.taps))
+        too_few = len(target.groups) < 2  # `capd tune` would refuse: never advise it
+        wanted = None if too_few else target.key
     rows = [{**row, "current": row["key"] == wanted} for row in listing(settings.data_dir)]
     if as_json:
         emit_json({"data_dir": str(settings.data_dir), "wanted": wanted, "tuned": rows})
@@ -80,7 +85,9 @@ def _list(settings: Settings, as_json: bool) -> None:
                    f"{row['bytes'] / 1e6:6.1f} MB  "
                    f"{row['capabilities']} capabilities, {row['examples']} examples, {row['steps']} steps  "
                    f"{row['path']}")
-    if not any(row["current"] for row in rows):
+    if too_few:
+        click.echo(f"no tuned model for these taps: {TOO_FEW}")
+    elif not any(row["current"] for row in rows):
         click.echo(f"no tuned model for these taps yet ({wanted}): capd tune" if wanted else
                    f"{len(rows)} tuned model{'s' if len(rows) != 1 else ''}")
 
