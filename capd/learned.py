@@ -117,6 +117,7 @@ class LearnedStore:
         self.limit = limit  # corrections of one kind kept per capability (the latest)
         self.error: str | None = None
         self.persistent = False  # the file is in use (not an in-memory store)
+        self.unreadable = False  # the file is there but what it holds cannot be read (damaged, a directory)
         self._closed = False
         self._unreadable = False  # version() failed and said so: quiet until it works again
         self._lock = threading.Lock()
@@ -192,15 +193,16 @@ class LearnedStore:
         log.warning("%s can be written now: stored the %d correction(s) learned in memory", self.path, len(learned))
         return 0
 
-    @staticmethod
-    def _copy_readable(path: Path, conn: sqlite3.Connection) -> str:
+    def _copy_readable(self, path: Path, conn: sqlite3.Connection) -> str:
         """What a file that cannot be written still holds (a read-only data directory), copied into
         ``conn`` so routing keeps its corrections; the words to add to the error."""
         if not path.is_file():
+            self.unreadable = path.exists()
             return ""
         try:
             rows = _read_only_rows(path)
         except sqlite3.Error as exc:
+            self.unreadable = True
             return f" (its contents cannot be read either: {exc})"
         conn.executemany("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
         conn.commit()

@@ -656,6 +656,20 @@ def test_learned_commands_do_not_create_a_mistyped_data_directory(tmp_path: Path
     assert not (tmp_path / "no").exists()
 
 
+def test_learned_commands_fail_on_a_file_they_cannot_read(tmp_path: Path) -> None:
+    """A damaged learned.sqlite3 (or a directory in its place) listed "0 learned triggers" with exit
+    0: a script could not tell it from nothing learned."""
+    for name, make in (("damaged", lambda p: p.write_bytes(b"not a database " * 400)), ("folder", Path.mkdir)):
+        data = tmp_path / name
+        data.mkdir()
+        make(data / "learned.sqlite3")
+        for args in (["list"], ["export"], ["forget", "--all"]):
+            result = CliRunner().invoke(main, ["learned", *args, "--data-dir", str(data)], env={"CAPD_PORT": "1"})
+            assert result.exit_code == 1, (name, args, result.output)
+            assert "learned.sqlite3" in result.stderr and "cannot be read" in result.stderr
+    assert (tmp_path / "damaged" / "learned.sqlite3").read_bytes() == b"not a database " * 400  # left as it is
+
+
 def test_a_correction_recorded_while_a_learning_pass_publishes_is_routed_with(
         settings_factory: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A second pass was not scheduled while the first one's thread was alive, and the first had

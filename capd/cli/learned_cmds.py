@@ -26,12 +26,17 @@ from capd.settings import Settings
 
 def _store(settings: Settings) -> LearnedStore:
     """The data directory's store; an empty one in memory when it has none, so that a mistyped
-    ``--data-dir`` is said (stderr) and not created with an empty file in it."""
+    ``--data-dir`` is said (stderr) and not created with an empty file in it. A file whose contents
+    cannot be read fails the command: an empty list would say "nothing learned" (exit 0)."""
     path = settings.data_dir / FILE_NAME
     if not path.exists():
         click.echo(f"capd: no learned corrections in {settings.data_dir} (no {FILE_NAME} there)", err=True)
         return LearnedStore(None)
-    return LearnedStore(path)
+    store = LearnedStore(path)
+    if store.unreadable:
+        store.close()
+        raise Failed(f"{path}: what it holds cannot be read (the reason is above)")
+    return store
 
 
 def _tap(tap: Path | None) -> str | None:
