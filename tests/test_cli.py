@@ -557,3 +557,17 @@ def test_a_host_that_is_no_host_is_said_not_a_traceback(host: str) -> None:
         assert flag.exception is None or isinstance(flag.exception, SystemExit), (command, flag.exception)
     env = CliRunner().invoke(main, ["status"], env={"CAPD_CONFIG": "", "CAPD_HOST": host})
     assert env.exit_code == 1 and "CAPD_HOST" in env.stderr and isinstance(env.exception, SystemExit), env.output
+
+
+def test_ctrl_c_stops_any_command_quietly_with_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """click printed "Aborted!" and exited 1 (an error) for a command stopped by Ctrl-C, such as a
+    long `capd index` or `capd tune`; `capd serve` already exited 130 (tests/test_daemon.py)."""
+    import capd.taps
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(capd.taps, "load_catalog", interrupted)
+    result = _capd("index", "--tap", str(octomind_tap(tmp_path / "tap")), "--model", "hash", "--data-dir",
+                   str(tmp_path / "data"))
+    assert result.exit_code == 130 and "Aborted" not in result.output, result.output

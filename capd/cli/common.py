@@ -2,8 +2,8 @@
 
 Exit codes (decided here only): 0 ok, 1 error or below a floor, 2 usage,
 3 daemon unreachable or failed to start; 141 (as a command killed by SIGPIPE) when whoever
-reads the output stops reading (``capd list | head -1``); 130 (as one killed by SIGINT) for
-``capd serve`` stopped by Ctrl-C.
+reads the output stops reading (``capd list | head -1``); 130 (as one killed by SIGINT) for a
+command stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command killed by SIGPIPE
-EXIT_INTERRUPTED = 128 + 2  # `capd serve` stopped by Ctrl-C: what a shell reports for a command killed by SIGINT
+EXIT_INTERRUPTED = 128 + 2  # stopped by Ctrl-C: what a shell reports for a command killed by SIGINT
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,6 +56,10 @@ class CapdGroup(click.Group):
         except CapdError as exc:
             click.echo(f"capd: {exc}", err=True)
             ctx.exit(EXIT_ERROR)
+        except KeyboardInterrupt:
+            # Ctrl-C (for `capd serve`, after uvicorn's graceful stop, which raises SIGINT again): click
+            # would print "Aborted!" and exit 1, an error; a stop asked for is not one.
+            ctx.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:
             # The reader went away (``capd list | head -1``): nothing more to say. Output still
             # buffered would fail again when Python flushes stdout at exit, so it goes to devnull.

@@ -12,7 +12,6 @@ from typing import Any
 import click
 
 from capd.cli.common import (
-    EXIT_INTERRUPTED,
     EXIT_UNREACHABLE,
     TEXT,
     Failed,
@@ -74,10 +73,6 @@ def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
         run(settings)
     except BindError as exc:
         raise Failed(str(exc), EXIT_UNREACHABLE) from None
-    except KeyboardInterrupt:
-        # Ctrl-C: uvicorn stopped gracefully, then raised SIGINT again, which Python turns into
-        # KeyboardInterrupt and click into "Aborted!" with exit 1, an error. A stop is not one.
-        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 @click.command()
