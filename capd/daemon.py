@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import ipaddress
 import logging
 import os
 import socket
@@ -160,6 +161,20 @@ def socket_identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def exposed_without_token(settings: Settings) -> bool:
+    """Whether a daemon on these settings listens beyond this machine with no token: a TCP host
+    that is not a loopback address (all of 127.0.0.0/8 and ::1 are) or ``localhost``."""
+    if settings.uds is not None or settings.token:
+        return False
+    host = bare_host(settings.host).lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return True
+
+
 def serve(settings: Settings) -> None:
     configure_logging(settings.log_level)
     sock, lock = bind(settings)
@@ -167,8 +182,7 @@ def serve(settings: Settings) -> None:
     where = str(settings.uds) if settings.uds is not None else base_url(settings.host, sock.getsockname()[1])
     log.info("capd listening on %s; taps: %s; data: %s", where, ", ".join(map(str, settings.taps)),
              settings.data_dir)
-    host = bare_host(settings.host)
-    if host not in ("127.0.0.1", "localhost", "::1") and settings.uds is None and not settings.token:
+    if exposed_without_token(settings):
         log.warning("listening on %s without a token: anyone who can reach it can drive your agent's tools",
                     settings.host)
     app = create_app(settings)

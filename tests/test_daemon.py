@@ -558,3 +558,16 @@ def test_a_bound_port_is_listened_on_at_once(tmp_path: Path) -> None:
             sock.close()
     finally:
         other.close()
+
+
+@pytest.mark.parametrize(("host", "token", "uds", "exposed"), [
+    ("127.0.0.1", None, None, False), ("127.0.0.2", None, None, False), ("::1", None, None, False),
+    ("[::1]", None, None, False), ("localhost", None, None, False), ("LocalHost", None, None, False),
+    ("0.0.0.0", None, None, True), ("192.168.1.20", None, None, True), ("mybox.lan", None, None, True),
+    ("0.0.0.0", "s3cret-token", None, False), ("0.0.0.0", None, "/tmp/capd.sock", False),
+])
+def test_the_no_token_warning_is_for_addresses_beyond_this_machine(host: str, token: str | None, uds: str | None,
+                                                                   exposed: bool) -> None:
+    """It warned for 127.0.0.2 (loopback too) and for ``LocalHost``."""
+    settings = Settings(host=host, token=token, uds=Path(uds) if uds else None)
+    assert daemon.exposed_without_token(settings) is exposed
