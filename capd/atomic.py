@@ -28,7 +28,8 @@ def replacing(path: Path) -> Iterator[Path]:
 
     The temporary file is created as a plain write would create it (mode 0666 less the umask);
     the new file keeps the mode of the file it replaces. On an exception the temporary file is
-    removed and ``path`` is untouched. Raises OSError when the directory cannot be written.
+    removed and ``path`` is untouched. The new contents are flushed to disk before the rename.
+    Raises OSError when the directory cannot be written.
     """
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
@@ -36,9 +37,21 @@ def replacing(path: Path) -> Iterator[Path]:
         yield tmp
         with suppress(FileNotFoundError):  # a new file keeps the mode it was created with
             tmp.chmod(path.stat().st_mode & 0o7777)
+        _flush_to_disk(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _flush_to_disk(path: Path) -> None:
+    """The file's contents on disk before it is renamed over the old one: after a power cut the
+    rename may have reached the disk and the data not, leaving an empty file where a tap's
+    ``capd.toml`` was (file systems order the two only with this)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_text(path: Path, text: str) -> None:

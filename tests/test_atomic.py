@@ -58,3 +58,28 @@ def test_concurrent_writers_never_leave_a_mixed_file(tmp_path: Path) -> None:
     assert errors == []
     assert seen and all(data in payloads for data in seen)
     assert [p.name for p in tmp_path.iterdir()] == ["head.bin"]
+
+
+def test_the_new_contents_reach_the_disk_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an fsync of the temporary file, a power cut after the rename could leave an empty file
+    where a tap's capd.toml was. The order of the system calls is what the file system honours."""
+    import os
+
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync " + Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        calls.append("replace " + Path(src).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    target = tmp_path / "capd.toml"
+    target.write_text("[gates]\nthreshold = 0.4\n")
+    atomic.write_text(target, "[gates]\nthreshold = 0.5\n")
+    assert target.read_text() == "[gates]\nthreshold = 0.5\n"
+    assert [c.split()[0] for c in calls] == ["fsync", "replace"] and calls[0].split()[1] == calls[1].split()[1]
