@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from capd import atomic
+from capd import atomic, toml_read
 from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
 from capd.settings import Settings, names_a_path
 
@@ -180,13 +180,11 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 def load_manifest(path: Path) -> ModelManifest:
     """Parse and validate one manifest file; raises :class:`ModelError` naming file and key."""
     try:
-        table = tomllib.loads(path.read_text(encoding="utf-8"))
+        table = toml_read.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ModelError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ModelError(f"{path}: invalid TOML: {exc}") from None
-    except RecursionError:
-        raise ModelError(f"{path}: invalid TOML: arrays or inline tables nested too deeply to read") from None
     r = _Reader(path, table)
     kind = r.get("source.kind", str, required=True)
     if kind not in ("package", "path", "hub"):

@@ -20,6 +20,7 @@ from typing import Any
 
 import platformdirs
 
+from capd import toml_read
 from capd.errors import ConfigError
 from capd.learned import MAX_PER_CAPABILITY
 
@@ -328,15 +329,13 @@ def _convert(source: str, key: str, value: object) -> object:
 def read_config_file(path: Path) -> dict[str, object]:
     """Read a config file's settings; unknown keys and bad values are errors naming the key."""
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = toml_read.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(str(path), None, "config file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(str(path), None, f"cannot read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), None, f"invalid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(str(path), None, "invalid TOML: arrays or inline tables nested too deeply to read") from None
     table = raw.get("capd", raw)
     if not isinstance(table, dict):
         raise ConfigError(str(path), "capd", "must be a table")

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from capd import toml_read
 from capd.catalog import Capability, Catalog, Problem, Provider, ServerSpec, TapConfig, fingerprint
 from capd.errors import TapFileError
 
@@ -136,7 +137,7 @@ def _parse(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
         line = data[: exc.start].count(b"\n") + 1
         raise TapFileError(path, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", line) from None
     try:
-        return tomllib.loads(text), text, data
+        return toml_read.loads(text), text, data
     except tomllib.TOMLDecodeError as exc:
         message = str(exc)
         match = _TOML_POS.search(message)
@@ -145,25 +146,6 @@ def _parse(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
             where = max(1, text.count("\n") + (0 if text.endswith("\n") else 1))
         reason = _TOML_POS.sub("", message).replace(" (at end of document)", " at the end of the file")
         raise TapFileError(path, f"invalid TOML: {reason}", where) from None
-    except RecursionError:  # tomllib recurses per nested array or inline table
-        raise TapFileError(path, "invalid TOML: arrays or inline tables nested too deeply to read",
-                           _deepest_line(text)) from None
-
-
-def _deepest_line(text: str) -> int | None:
-    """The line where brackets first nest deeper than any tap needs (comments and strings are
-    not told apart: a hint for the author, used only once the parser has given up)."""
-    depth, line = 0, 1
-    for char in text:
-        if char in "[{":
-            depth += 1
-            if depth > 100:
-                return line
-        elif char in "]}":
-            depth -= 1
-        elif char == "\n":
-            line += 1
-    return None
 
 
 def _line_of(text: str, key: str, start: int = 0, end: int | None = None) -> int | None:
