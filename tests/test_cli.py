@@ -404,6 +404,55 @@ def test_index_prune_keeps_every_vector_a_daemon_on_the_taps_uses(tmp_path: Path
     assert not (fresh / "learned.sqlite3").exists()  # read when there, never created
 
 
+def test_index_under_fused_leaves_a_daemon_nothing_to_embed_or_fit(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``capd index`` embedded the triggers only: a fused daemon's first start still embedded the
+    descriptions, names and abstain corpus, computed every example's token vectors and fitted the
+    head and the auto gates (43-46 s on 1,000 capabilities). Under ``--rule fused`` it now does all
+    of that, with the corrections learned in the data directory, so the daemon fits nothing."""
+    from capd import autogates, fused
+
+    tap, data = tmp_path / "tap", tmp_path / "data"
+    write_capability(tap, "deploy", ["deploy the service", "ship it to production"],
+                     extra_config='description = "Deploy services to the cluster"\n')
+    write_capability(tap, "database-admin", ["query the database", "run sql"])
+    with closing(LearnedStore.open(data)) as learned:
+        learned.record(tap, "deploy", "push the build live")
+    result = _capd("index", "--tap", str(tap), "--model", "hash", "--data-dir", str(data), "--rule", "fused", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["rule"] == "fused" and report["fits"]["stored"] is True
+    assert list((data / "heads").glob("*.auto.json"))  # no capd.toml: auto gates gate this tap
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the daemon fitted or embedded what capd index should have prepared")
+
+    monkeypatch.setattr(fused, "fit_head", refuse)
+    monkeypatch.setattr(fused, "_example_tokens", refuse)
+    monkeypatch.setattr(autogates, "choose", refuse)
+    service = Service(Settings(taps=(tap,), model="hash", data_dir=data, rule="fused"), sessions=True).start()
+    try:
+        assert service.counters.embedded == 0
+        assert "push the build live" in service.router.index.triggers("deploy")  # the head includes the correction
+        assert service.route("push the build live").decision.capability == "deploy"
+    finally:
+        service.close()
+    monkeypatch.undo()
+    text = _capd("index", "--tap", str(tap), "--model", "hash", "--data-dir", str(tmp_path / "fresh"),
+                 "--rule", "fused")
+    assert text.exit_code == 0, text.output
+    assert "fused rule: head, token vectors and gates fitted and stored" in text.stdout
+    assert not (tmp_path / "fresh" / "learned.sqlite3").exists()  # none is created
+    default = _capd("index", "--tap", str(tap), "--model", "hash", "--data-dir", str(tmp_path / "other"), "--json")
+    assert json.loads(default.stdout)["fits"] is None and not (tmp_path / "other" / "heads").exists()
+    (tmp_path / "other" / "heads").write_text("a file where the heads folder goes")  # vectors writable, heads not
+    unstored = _capd("index", "--tap", str(tap), "--model", "hash", "--data-dir", str(tmp_path / "other"),
+                     "--rule", "fused")
+    assert unstored.exit_code == 1, unstored.output
+    assert "the fused rule's head could not be stored" in unstored.stderr
+    assert "gates fitted, not stored" in unstored.stdout
+
+
 def test_json_output_never_holds_nan(capsys: pytest.CaptureFixture[str]) -> None:
     """``NaN`` is not JSON: a score a damaged model made NaN prints as null."""
     import numpy as np

@@ -13,6 +13,7 @@ import click
 from capd.cli.common import EXIT_ERROR, build_settings, emit_json, settings_options, stderr, tuning_not_done
 from capd.errors import CapdError, ModelError
 from capd.models import ModelManifest, availability, load_manifests, manifest_for, resolve
+from capd.settings import RULES
 
 if TYPE_CHECKING:
     from capd.catalog import Catalog
@@ -43,16 +44,23 @@ class _Bar:
 
 @click.command()
 @settings_options
+@click.option("--rule", type=click.Choice(RULES), default=None,
+              help="The rule to prepare for (default: the settings'); fused also gets its fits.")
 @click.option("--prune", is_flag=True, help="Also drop this model's cached vectors that nothing on these taps needs "
               "(what is kept: see above).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
-          backend: str | None, prune: bool, as_json: bool) -> None:
+          backend: str | None, rule: str | None, prune: bool, as_json: bool) -> None:
     """Embed the triggers the configured taps need (only what the cache lacks) and print counts.
 
-    Storing their vectors is this command's only job, so it exits 1 when any of them is not in the
-    vector cache afterwards (a data directory that cannot be written keeps nothing; a full disk
-    some), saying so first, as it does when a tap has errors. With `tune = true` (CAPD_TUNE) the
+    Under the fused rule (--rule fused, CAPD_RULE or the config file) it also does the rest of a
+    daemon's first start, so that the daemon starts as fast as a restart: it embeds the
+    descriptions, names, learned corrections and abstain corpus, computes the examples' token
+    vectors and fits the rule's head and auto gates, all cached in the data directory.
+
+    Storing is this command's only job, so it exits 1 when any trigger vector is not in the vector
+    cache afterwards (a data directory that cannot be written keeps nothing; a full disk some), or
+    the fused head was not stored, saying so first, as it does when a tap has errors. With `tune = true` (CAPD_TUNE) the
     vectors are the tuned model's (tuned now unless cached), which the daemon routes with.
 
     --prune also deletes this model's cached vectors that nothing on these taps needs. It keeps
@@ -60,14 +68,14 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     --rule may differ from the daemon's): the capabilities' descriptions and names (`fused`), the
     corrections learned in this data directory, and the abstain corpus. Other models' vectors stay.
 
-    Example: capd index --tap taps/core --prune
+    Example: capd index --tap taps/core --rule fused --prune
     """
     from capd.encoder import open_encoder
     from capd.index import TriggerIndex
     from capd.taps import load_catalog
     from capd.vectorcache import CachedEmbedder, VectorCache, text_hash
 
-    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend)
+    settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
     started = time.perf_counter()
     catalog = load_catalog(settings.taps)
     tuned = _tuned_model(settings, catalog)
@@ -84,13 +92,15 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     finally:
         bar.close()
         cache.close()
+    seconds = round(time.perf_counter() - started, 3)
+    fits = _fit_rule(settings) if settings.rule == "fused" and cache.persistent and not unstored else None
     result = {
         "model": settings.model, "tuned": str(tuned) if tuned else None, "model_id": encoder.model_id,
         "taps": [str(t) for t in catalog.taps],
         "capabilities": len(catalog), "triggers": catalog.trigger_count, "embedded": report.embedded,
         "cached": report.cached, "pruned": pruned, "stored": stored, "unstored": unstored,
         "cache": str(cache.path) if cache.path else None, "persistent": cache.persistent,
-        "seconds": round(time.perf_counter() - started, 3), "errors": [p.as_dict() for p in catalog.errors],
+        "seconds": seconds, "errors": [p.as_dict() for p in catalog.errors], "rule": settings.rule, "fits": fits,
     }
     if not cache.persistent:
         stderr(f"capd: error: nothing was stored: the vector cache in {settings.data_dir} cannot be written "
@@ -99,6 +109,9 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     elif unstored:
         stderr(f"capd: error: {unstored} of the {len(wanted)} trigger vectors the taps need could not be written "
                f"to {cache.path}; they will be embedded again until capd index stores them")
+    if fits is not None and not fits["stored"]:
+        stderr(f"capd: error: the fused rule's head could not be stored in {fits['path']}; a daemon will fit it "
+               "again at every start until capd index stores it")
     if as_json:
         emit_json(result)
     else:
@@ -112,8 +125,30 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
             missing = f", {unstored} needed not stored" if unstored else ""
             click.echo(f"embedded {report.embedded}, cached {report.cached}, pruned {pruned}: {sizes}, {stored} "
                        f"vectors stored for {encoder.model_id}{missing} ({result['seconds']:.1f} s)")
-    if catalog.errors or unstored or not cache.persistent:
+        if fits is not None:
+            done = "fitted and stored" if fits["stored"] else "fitted, not stored"
+            click.echo(f"fused rule: head, token vectors and gates {done} ({fits['seconds']:.1f} s)")
+    if catalog.errors or unstored or not cache.persistent or (fits is not None and not fits["stored"]):
         raise SystemExit(EXIT_ERROR)
+
+
+def _fit_rule(settings: Settings) -> dict[str, Any]:
+    """What a fused daemon's first start does after embedding the triggers, done now by starting
+    the service as the daemon would and stopping it: everything it fits is cached in the data
+    directory by content, so the daemon finds it. Corrections are routed with (as the daemon
+    does) when the data directory has a learned file; none is created here."""
+    from capd.learned import FILE_NAME
+    from capd.service import Service
+
+    started = time.perf_counter()
+    service = Service(settings, learn=settings.learn and (settings.data_dir / FILE_NAME).is_file()).start()
+    try:
+        head = service.router.head
+    finally:
+        service.close()
+    path = settings.data_dir / "heads" / f"{head.key if head is not None else ''}.npz"
+    return {"stored": head is not None and path.is_file(), "path": str(path.parent),
+            "seconds": round(time.perf_counter() - started, 3)}
 
 
 def _tuned_model(settings: Settings, catalog: Catalog) -> Path | None:
