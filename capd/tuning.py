@@ -232,7 +232,7 @@ def publish(scratch: Path, out: Path) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE, timeout: float | None = None,
+def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE,
               started: list[subprocess.Popen[bytes]] | None = None) -> dict[str, Any]:
     """:func:`train` in a niced child process (its log goes to this process's stderr).
 
@@ -240,7 +240,11 @@ def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE
     process is tuning the same key, this waits for it and returns its result (``seconds`` None:
     nothing was trained here). The failure's reason is the child's last error line.
     """
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # read-only or immutable data directory, a file in the way
+        raise ModelError(f"cannot create {out.parent} for tuned models ({exc.strerror or exc}); make the data "
+                         "directory writable, or set tune = false") from None
     sweep(out.parent)
     with key_lock(out):
         if is_tuned(out):
@@ -258,7 +262,7 @@ def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE
                 started.append(child)
             relay = threading.Thread(target=_relay, args=(child, errors), name="capd-tune-log", daemon=True)
             relay.start()
-            code = child.wait(timeout)
+            code = child.wait()
             relay.join(5)
         finally:
             spec.unlink(missing_ok=True)

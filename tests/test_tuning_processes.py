@@ -145,6 +145,15 @@ def test_a_failed_tuning_says_why(tmp_path: Path) -> None:
     assert "exit 1" not in str(caught.value)
 
 
+def test_a_data_directory_that_cannot_hold_tuned_models_is_said_plainly(tmp_path: Path) -> None:
+    """It was a bare ``[Errno 1] Operation not permitted: '.../tuned'`` (read-only or immutable data
+    directory); a file where the folder goes fails the same way, for any user."""
+    (tmp_path / "tuned").write_text("a file where the tuned models' folder goes")
+    expected = r"cannot create .*tuned for tuned models \(File exists\); make the data directory writable"
+    with pytest.raises(ModelError, match=expected):
+        run_child(tmp_path / "no-model", GROUPS, tuned_dir(tmp_path, "k"))
+
+
 PUBLISH_THEN_DIE = """
 import json, os, signal, sys
 from pathlib import Path
