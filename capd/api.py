@@ -43,6 +43,7 @@ from capd.errors import (
     ModelError,
     PinnedCapability,
     StateError,
+    Stopping,
     UnknownCapability,
     UnknownSession,
 )
@@ -70,7 +71,7 @@ from capd.schemas import (
     candidates_out,
     responses_for,
 )
-from capd.service import Service, Stopping
+from capd.service import Service
 from capd.sessions import check_session_id
 from capd.settings import Settings
 from capd.text import finite
@@ -319,6 +320,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
             yield
         finally:
             stop.set()
+            service.interrupt()  # before joining the watcher, which may be publishing a reload
             if watcher is not None:
                 watcher.stop()
             service.close()
@@ -340,6 +342,8 @@ def upkeep(service: Service, stop: threading.Event) -> None:
     while not stop.wait(LEARNED_CHECK_INTERVAL):
         try:
             service.refresh_learned()  # logs a file it cannot read once; a failing publish once per change
+        except Stopping:
+            return
         except Exception:
             log.exception("cannot route with the learned examples changed by another process")
         if time.monotonic() < upkeep_at or stop.is_set():

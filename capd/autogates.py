@@ -109,9 +109,11 @@ class Examples:
     labels: Ints  # each row's position in names
     head: fused.FusedHead
     embed_tokens: fused.EmbedTokens | None = None  # None: no second stage (the head has none)
+    stop: fused.Stop | None = None  # the fold heads' fits end (Stopping) once it says so
 
 
-def examples_of(index: TriggerIndex, head: fused.FusedHead, embed_tokens: fused.EmbedTokens) -> Examples | None:
+def examples_of(index: TriggerIndex, head: fused.FusedHead, embed_tokens: fused.EmbedTokens,
+                stop: fused.Stop | None = None) -> Examples | None:
     """The examples ``head`` was fitted on, from the index (None if the index has moved on). The
     fold heads reuse ``head``'s token vectors: ``embed_tokens`` only serves a text it lacks (none,
     normally), and is dropped when ``head`` has no second stage."""
@@ -119,7 +121,7 @@ def examples_of(index: TriggerIndex, head: fused.FusedHead, embed_tokens: fused.
     if names != head.names:
         return None
     texts = tuple(t for name in names for t in index.triggers(name))
-    return Examples(names, texts, vectors, labels, head, embed_tokens if head.tokens is not None else None)
+    return Examples(names, texts, vectors, labels, head, embed_tokens if head.tokens is not None else None, stop)
 
 
 def nearest_mean(vectors: fused.Floats, examples: fused.Floats, labels: Ints, columns: int) -> fused.Floats:
@@ -138,7 +140,7 @@ def _head(examples: Examples, rows: np.ndarray) -> fused.FusedHead:
     labels = examples.labels[rows]
     documents = [[examples.texts[i] for i in rows[labels == c]] for c in range(len(examples.names))]
     return fused.build_head(examples.names, documents, examples.vectors[rows], labels, key="", cache_dir=None,
-                            embed_tokens=examples.embed_tokens, previous=examples.head.tokens)
+                            embed_tokens=examples.embed_tokens, previous=examples.head.tokens, stop=examples.stop)
 
 
 def _score(head: fused.FusedHead, examples: Examples, rows: np.ndarray, vectors: fused.Floats,

@@ -89,6 +89,13 @@ class WeightsMismatch(ModelError):
     """The weights on disk are not the ones the manifest pins."""
 
 
+class Stopping(CapdError):
+    """The service was closed while it was starting or publishing (HTTP 503: capd cannot answer);
+    also raised inside a fit that :meth:`capd.service.Service.close` cut short."""
+
+    code = "stopping"
+
+
 class CacheError(CapdError):
     """The vector cache cannot be opened or written."""
 

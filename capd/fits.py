@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -68,6 +69,7 @@ class RuleFits:
         self._auto_fit: AutoFit | None = None  # and the examples they were fitted on
         self._corpus: tuple[str, Embedded] | None = None  # (model id, the abstain corpus embedded)
         self._warned: set[tuple[Path, str | None]] = set()  # capd.toml files for another model, logged once
+        self.stopping = threading.Event()  # set by Service.close(): a fit under way ends (Stopping)
 
     @property
     def auto_allowed(self) -> bool:
@@ -95,7 +97,7 @@ class RuleFits:
         tokens = (previous.head.tokens if previous is not None and previous.head is not None
                   and previous.encoder.model_id == encoder.model_id else None)  # not across a model swap
         return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
-                          encoder.embed_tokens, tokens, fresh)
+                          encoder.embed_tokens, tokens, fresh, self.stopping.is_set)
 
     def _gated_by_auto(self, catalog: Catalog, gate_model: str) -> bool:
         """Whether auto gates would gate anything: not when they are off, when the settings give
@@ -117,7 +119,7 @@ class RuleFits:
     def _auto_gates(self, head: FusedHead, index: TriggerIndex, encoder: Encoder,
                     install: bool = True) -> Point | None:
         """The fused gates fitted on the examples (cached by the head's key), logged when fitted."""
-        examples = examples_of(index, head, encoder.embed_tokens)
+        examples = examples_of(index, head, encoder.embed_tokens, self.stopping.is_set)
         if examples is None:
             return None
 

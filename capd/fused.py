@@ -59,12 +59,14 @@ from threadpoolctl import threadpool_limits
 
 from capd.atomic import replacing
 from capd.encoder import Embedded, TokenVectors
+from capd.errors import Stopping
 from capd.index import Ints
 
 log = logging.getLogger(__name__)
 
 Floats = npt.NDArray[np.float32]
 EmbedTokens = Callable[[Sequence[str]], Embedded]  # Encoder.embed_tokens
+Stop = Callable[[], bool]  # true once the fit's result is no longer wanted (capd is stopping)
 
 MIX = 0.85  # A: weight of the head against soft nearest neighbours
 TEMPERATURE = 0.05  # τ
@@ -295,7 +297,8 @@ def in_class_similarity(vectors: Floats, labels: npt.NDArray[np.int64], columns:
     return out
 
 
-def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tuple[Floats, Floats]:
+def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int,
+             stop: Stop | None = None) -> tuple[Floats, Floats]:
     """Multinomial logistic regression on the example embeddings: weight ``[dim, C]``, bias ``[C]``.
 
     The objective and stopping rule are scikit-learn's ``LogisticRegression(C=HEAD_C)`` with its
@@ -310,7 +313,11 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tu
 
     Below :data:`ONE_THREAD_WORK` the fit keeps to one BLAS thread: its products are too small to
     share, and waking other threads for each of them made a 60-capability fit several times slower
-    (``bench_engine``, "Fused head fit", the 60-capability rows)."""
+    (``bench_engine``, "Fused head fit", the 60-capability rows).
+
+    ``stop`` is asked before each evaluation of the loss; once it says so the fit raises
+    :class:`~capd.errors.Stopping` (a 1,000-capability fit takes seconds, and a stopping daemon
+    waited for it)."""
     from scipy.optimize import minimize  # imported only when a head is fitted
 
     present, column_of = np.unique(labels, return_inverse=True)
@@ -327,6 +334,8 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int) -> tu
                np.empty((len(present), dim), dtype=np.float32))
 
     def loss_and_gradient(flat: npt.NDArray[np.float64]) -> tuple[float, npt.NDArray[np.float64]]:
+        if stop is not None and stop():
+            raise Stopping("capd is stopping")
         params = flat.astype(np.float32).reshape(len(present), dim + 1)
         coef, (logits, coef_gradient) = params[:, :dim], buffers
         np.matmul(x, np.ascontiguousarray(coef.T), out=logits)
@@ -370,7 +379,7 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
                labels: npt.NDArray[np.int64], key: str, cache_dir: Path | None,
                embed_tokens: EmbedTokens | None = None,
                previous: ExampleTokens | None = None,
-               fresh: Mapping[str, Floats] | None = None) -> FusedHead:
+               fresh: Mapping[str, Floats] | None = None, stop: Stop | None = None) -> FusedHead:
     """Fit (or load from ``cache_dir``) the head for these examples; ``documents`` feed BM25
     and, flattened, are the examples' texts (in ``vectors`` order).
 
@@ -378,7 +387,7 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
     better: ``benchmarks/quality/README.md``). ``embed_tokens`` gives texts' token vectors
     for the second stage (None: no second stage); texts already in ``previous`` or ``fresh``
     (token vectors kept as the index embedded them: :meth:`capd.vectorcache.CachedEmbedder.keeping_tokens`)
-    are not embedded again.
+    are not embedded again. ``stop``: see :func:`fit_head` (the token vectors stop the same way).
     """
     columns = len(names)
     weight: Floats | None = None
@@ -410,13 +419,13 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
         in_class = in_class_similarity(vectors, labels, columns)
         weight = bias = None
         if len(vectors) * columns <= HEAD_BUDGET and columns > 0:
-            weight, bias = fit_head(vectors, labels, columns)
+            weight, bias = fit_head(vectors, labels, columns, stop)
         elif columns > 0:
             log.warning("fused rule: %d examples x %d capabilities is over the head budget (%d); "
                         "ranking on nearest examples and BM25 only", len(vectors), columns, HEAD_BUDGET)
     fresh_tokens = embed_tokens is not None and tokens is None and not over_budget and len(texts) == len(labels)
     if embed_tokens is not None and fresh_tokens:
-        tokens = _example_tokens(texts, labels, columns, embed_tokens, previous, fresh)
+        tokens = _example_tokens(texts, labels, columns, embed_tokens, previous, fresh, stop)
         over_budget = tokens is None
     assert in_class is not None
     if path is not None and (stale or fresh_tokens):
@@ -426,7 +435,7 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
 
 def _example_tokens(texts: Sequence[str], labels: Ints, columns: int, embed_tokens: EmbedTokens,
                     previous: ExampleTokens | None,
-                    fresh: Mapping[str, Floats] | None = None) -> ExampleTokens | None:
+                    fresh: Mapping[str, Floats] | None = None, stop: Stop | None = None) -> ExampleTokens | None:
     """The examples' token vectors (reusing ``previous``'s and ``fresh``), or None over :data:`TOKEN_BUDGET`."""
     wanted = dict.fromkeys(texts)
     known = {t: m for t, m in previous.matrices().items() if t in wanted} if previous is not None else {}
@@ -435,6 +444,8 @@ def _example_tokens(texts: Sequence[str], labels: Ints, columns: int, embed_toke
     for start in range(0, len(missing), 256):  # in chunks, to stop early on a huge tap
         if sum(len(m) for m in known.values()) > TOKEN_BUDGET:
             break
+        if stop is not None and stop():
+            raise Stopping("capd is stopping")
         chunk = missing[start:start + 256]
         known.update(zip(chunk, embed_tokens(chunk)[1], strict=True))
     if len(known) < len(wanted) or sum(len(known[t]) for t in texts) > TOKEN_BUDGET:

@@ -28,7 +28,7 @@ from capd.batching import MicroBatcher
 from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
-from capd.errors import CapdError, ModelError, StateError, UnknownCapability
+from capd.errors import ModelError, StateError, Stopping, UnknownCapability
 from capd.fits import RuleFits, fitting_threads
 from capd.fused import TOKEN_BUDGET
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
@@ -58,11 +58,6 @@ def _shown(problems: Iterable[Problem]) -> list[dict[str, Any]]:
     """Problems as health's ``errors`` shows them."""
     return [{"file": p.file, "line": p.line, "reason": p.reason} for p in problems]
 
-
-class Stopping(CapdError):
-    """The service was closed while it was starting or publishing (HTTP 503: capd cannot answer)."""
-
-    code = "stopping"
 
 OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
 LEARN_DELAY = 1.0  # seconds between a recorded correction and routing with it (corrections come in bursts)
@@ -222,8 +217,17 @@ class Service:
         log.warning("session state is stored in %s again: the sessions kept in memory were moved there", store.path)
         return True
 
-    def close(self) -> None:
+    def interrupt(self) -> None:
+        """Ask the work under way to end: a start or publish raises :class:`Stopping` at its next
+        check, and a fit of the fused head or its auto gates within one step of its optimiser
+        (seconds sooner on a large tap). Nothing can be started or published afterwards. Call it
+        before waiting for a thread that may be publishing (the daemon's tap watcher); :meth:`close`
+        calls it too."""
         self._closed = True
+        self.fits.stopping.set()
+
+    def close(self) -> None:
+        self.interrupt()
         self.tuner.close()
         with self._learn_guard:
             if self._learn_timer is not None:
@@ -418,6 +422,9 @@ class Service:
                 return False
             try:
                 self._publish(self.catalog_now())
+            except Stopping:  # close() cut the fits short: nothing failed
+                undo()
+                return False
             except Exception as exc:
                 undo()
                 self.tuning.failed(f"cannot route with the tuned model {path}: {exc}")
@@ -478,6 +485,8 @@ class Service:
                 seen = self._learn_wanted
             try:
                 self.apply_learned()
+            except Stopping:  # close() cut the pass short
+                seen = -1
             except Exception:  # logged; the next correction schedules another pass
                 log.exception("could not route with the learned corrections")
                 seen = -1

@@ -29,7 +29,7 @@ from watchdog.observers.polling import PollingObserver
 from watchdog.utils.dirsnapshot import DirectorySnapshot
 
 from capd.catalog import Problem
-from capd.service import Stopping
+from capd.errors import Stopping
 
 if TYPE_CHECKING:
     from capd.service import Service

@@ -259,6 +259,39 @@ def test_a_stop_during_the_first_load_does_not_wait_for_every_trigger(
     assert "start interrupted: capd is stopping" in caplog.text and "Traceback" not in caplog.text
 
 
+def test_a_stop_during_a_reloads_fit_does_not_wait_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """SIGTERM while the tap watcher reloaded a fused tap: the shutdown joined the watcher, whose
+    reload finished fitting the head first (5-7 s on 1,000 capabilities), and only then told the
+    service to stop. The fit stands in for one of minutes here; the stop now ends it."""
+    from capd import fused
+
+    tap = docker_and_postgres(tmp_path / "tap")
+    settings = Settings(taps=(tap,), data_dir=tmp_path / "d", model="hash", rule="fused")
+    fitting = threading.Event()
+    real_fit = fused.fit_head
+
+    def endless_fit(vectors: np.ndarray, labels: np.ndarray, columns: int,
+                    stop: fused.Stop | None = None) -> tuple[np.ndarray, np.ndarray]:
+        fitting.set()
+        deadline = time.monotonic() + 60
+        while not (stop is not None and stop()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_fit(vectors, labels, columns, stop)  # raises Stopping at its first step
+
+    with caplog.at_level(logging.INFO, logger="capd"):
+        with local_client(create_app(settings, watch=True, warm_in_background=False)) as client:
+            assert client.get("/v1/health").json()["ready"]
+            monkeypatch.setattr(fused, "fit_head", endless_fit)  # the start's fit is done
+            write_capability(tap, "weather", ["what is the weather like tomorrow", "will it rain in Oslo"])
+            assert fitting.wait(20), "the watcher never reloaded"
+            began = time.monotonic()
+        stopped = time.monotonic() - began
+    assert stopped < 10, stopped
+    assert "reload after file changes cut short: capd is stopping" in caplog.text
+    assert "Traceback" not in caplog.text
+
+
 def test_lone_surrogates_in_text_fields_are_422(api: TestClient) -> None:
     # JSON may escape a lone UTF-16 surrogate; such a string is not text any encoder accepts.
     for path, body in [("/v1/route", b'{"session": "a", "message": "\\ud800 broken"}'),

@@ -17,7 +17,7 @@ from capd import fused as fused_module
 from capd.calibrate import FUSED_GRID, calibrate, split, write_gates
 from capd.catalog import Capability
 from capd.encoder import Encoder, HashEncoder, TokenVectors, Vectors
-from capd.errors import TapFileError
+from capd.errors import Stopping, TapFileError
 from capd.evaluation import evaluate, score_table
 from capd.fixtures import load_fixtures
 from capd.fused import (
@@ -113,6 +113,24 @@ def test_the_head_is_scikit_learns_multinomial_logistic_regression() -> None:
     np.testing.assert_allclose(weight[:, 4] - weight[:, 1], binary.coef_[0], atol=1e-3 * scale)
     np.testing.assert_allclose(bias[4] - bias[1], binary.intercept_[0], atol=1e-3 * scale)
     np.testing.assert_allclose(weight[:, 4] + weight[:, 1], 0.0, atol=1e-3 * scale)
+
+
+def test_a_fit_asked_to_stop_ends_at_its_next_step() -> None:
+    """A stopping daemon waited for a fit under way (seconds on a large tap)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(60, 16)).astype(np.float32)
+    labels = np.repeat(np.arange(6), 10)
+    asked = []
+
+    def stop_at_third() -> bool:
+        asked.append(1)
+        return len(asked) >= 3
+
+    with pytest.raises(Stopping):
+        fit_head(x, labels, 6, stop_at_third)
+    assert len(asked) == 3
+    weight, _ = fit_head(x, labels, 6, lambda: False)  # never asked to: the same fit as without
+    np.testing.assert_array_equal(weight, fit_head(x, labels, 6)[0])
 
 
 def _unit(rng: np.random.Generator, rows: int, dim: int = 8) -> np.ndarray:
