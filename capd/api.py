@@ -290,12 +290,16 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
         app.state.service = service
         watcher: TapWatcher | None = None
         stop = threading.Event()
+        creating = threading.Lock()  # the shutdown sees the watcher, or the warm-up sees the stop
 
         def warm() -> None:
             nonlocal watcher
-            if watch and settings.watch != "off":  # before the taps load: edits made meanwhile apply once they have
-                watcher = TapWatcher(service)
-                watcher.observe()
+            with creating:
+                if stop.is_set():
+                    return
+                if watch and settings.watch != "off":  # before the taps load: edits made meanwhile apply once they have
+                    watcher = TapWatcher(service)
+                    watcher.observe()
             try:
                 service.start()
             except Exception as exc:
@@ -321,8 +325,10 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
         finally:
             stop.set()
             service.interrupt()  # before joining the watcher, which may be publishing a reload
-            if watcher is not None:
-                watcher.stop()
+            with creating:
+                started = watcher
+            if started is not None:
+                started.stop()
             service.close()
 
     app = FastAPI(title="capd", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,  # CDN pages

@@ -153,6 +153,8 @@ class TapWatcher:
         if overflow.getEffectiveLevel() > logging.WARNING:  # --log-level error must not hide it from us
             overflow.setLevel(logging.WARNING)
         with self._observing:
+            if self._stop.is_set():  # stopped first (a daemon stopping as it starts): nothing to watch for
+                return
             try:
                 if self.service.settings.watch == "poll":  # taps on a network file system: no notifications
                     self.polling = True
@@ -248,9 +250,12 @@ class TapWatcher:
 
     def apply(self) -> None:
         """Reload what changes touch (those recorded since :meth:`observe` first), once the
-        service has started."""
-        self._thread = threading.Thread(target=self._run, name="capd-watcher", daemon=True)
-        self._thread.start()
+        service has started (nothing once stopped)."""
+        with self._observing:  # stop() joins the thread it finds here
+            if self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name="capd-watcher", daemon=True)
+            self._thread.start()
 
     def _watch_taps(self) -> list[Path]:
         """Bring the watches in line with the file system: each existing tap recursively (again
@@ -283,8 +288,9 @@ class TapWatcher:
         logging.getLogger(_Overflow.LOGGER).removeHandler(self._overflow)
         with self._observing:
             self._halt(self._observer)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
 
     def notify(self, paths: Iterable[Path]) -> None:
         with self._lock:

@@ -292,6 +292,32 @@ def test_a_stop_during_a_reloads_fit_does_not_wait_for_it(tmp_path: Path, monkey
     assert "Traceback" not in caplog.text
 
 
+def test_a_stop_while_the_watcher_is_being_made_leaves_none_running(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shutdown read the warm-up thread's watcher before the thread had made it: the watcher
+    made afterwards was never stopped and kept watching the taps (inotify watches, a thread)."""
+    made: list[capd.api.TapWatcher] = []
+    making = threading.Event()
+
+    class SlowWatcher(capd.api.TapWatcher):
+        def __init__(self, service: Service) -> None:
+            making.set()
+            time.sleep(0.5)  # the shutdown comes meanwhile
+            super().__init__(service)
+            made.append(self)
+
+    monkeypatch.setattr(capd.api, "TapWatcher", SlowWatcher)
+    settings = Settings(taps=(octomind_tap(tmp_path / "tap"),), data_dir=tmp_path / "d", model="hash")
+    with local_client(create_app(settings)):
+        assert making.wait(10)
+    time.sleep(1.0)  # anything the warm-up thread still does after the shutdown
+    assert made
+    for watcher in made:
+        observer = watcher._observer
+        assert observer is None or not observer.is_alive()
+        assert watcher._thread is None or not watcher._thread.is_alive()
+
+
 def test_lone_surrogates_in_text_fields_are_422(api: TestClient) -> None:
     # JSON may escape a lone UTF-16 surrogate; such a string is not text any encoder accepts.
     for path, body in [("/v1/route", b'{"session": "a", "message": "\\ud800 broken"}'),

@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -444,6 +445,20 @@ def test_a_reload_cut_short_by_the_shutdown_is_not_an_error(tmp_path: Path, capl
         report = watcher.apply_changes([tap / "capabilities" / "smalltalk" / "config.toml"])
     assert report == {"error": "stopping"}
     assert [r.levelname for r in caplog.records] == ["INFO"] and "stopping" in caplog.records[0].getMessage()
+
+
+def test_a_watcher_stopped_before_it_observes_never_starts(tmp_path: Path) -> None:
+    """A daemon stopping as it started could stop its watcher before the warm-up thread set it
+    observing: the observer then started after the stop and watched the taps for good."""
+    service, _ = _service(tmp_path)
+    watcher = TapWatcher(service)
+    watcher.stop()
+    watcher.observe()
+    watcher.apply()
+    assert watcher._observer is None and watcher._thread is None
+    live = [t.name for t in threading.enumerate() if t.name == "capd-watcher" or "Observer" in type(t).__name__]
+    assert not live, live
+    service.close()
 
 
 def test_a_log_file_inside_a_tap_does_not_reload_it_without_end(tmp_path: Path,
