@@ -369,14 +369,19 @@ def _cached_hashes(data: Path) -> set[str]:
         return {row[0] for row in conn.execute("SELECT text_hash FROM vectors")}
 
 
+def _deploy_and_database(tap: Path) -> Path:
+    """A tap of two capabilities, one with a description."""
+    write_capability(tap, "deploy", ["deploy the service", "ship it to production"],
+                     extra_config='description = "Deploy services to the cluster"\n')
+    write_capability(tap, "database-admin", ["query the database", "run sql"])
+    return tap
+
+
 def test_index_prune_keeps_every_vector_a_daemon_on_the_taps_uses(tmp_path: Path) -> None:
     """--prune kept only the taps' triggers: a daemon's other texts (the fused rule's descriptions and
     names, learned corrections, the abstain corpus) were deleted and embedded again at its next start.
     The daemon here routes with ``fused``, ``capd index`` runs with the default rule (--rule can differ)."""
-    tap, data = tmp_path / "tap", tmp_path / "data"
-    write_capability(tap, "deploy", ["deploy the service", "ship it to production"],
-                     extra_config='description = "Deploy services to the cluster"\n')
-    write_capability(tap, "database-admin", ["query the database", "run sql"])
+    tap, data = _deploy_and_database(tmp_path / "tap"), tmp_path / "data"
     with closing(LearnedStore.open(data)) as learned:
         learned.record(tap, "deploy", "push the build live")
         learned.record(tap, "database-admin", "thanks, that is all", kind="abstain")
@@ -408,14 +413,11 @@ def test_index_under_fused_leaves_a_daemon_nothing_to_embed_or_fit(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """``capd index`` embedded the triggers only: a fused daemon's first start still embedded the
     descriptions, names and abstain corpus, computed every example's token vectors and fitted the
-    head and the auto gates (43-46 s on 1,000 capabilities). Under ``--rule fused`` it now does all
+    head and the auto gates (35 s on 1,000 capabilities). Under ``--rule fused`` it now does all
     of that, with the corrections learned in the data directory, so the daemon fits nothing."""
     from capd import autogates, fused
 
-    tap, data = tmp_path / "tap", tmp_path / "data"
-    write_capability(tap, "deploy", ["deploy the service", "ship it to production"],
-                     extra_config='description = "Deploy services to the cluster"\n')
-    write_capability(tap, "database-admin", ["query the database", "run sql"])
+    tap, data = _deploy_and_database(tmp_path / "tap"), tmp_path / "data"
     with closing(LearnedStore.open(data)) as learned:
         learned.record(tap, "deploy", "push the build live")
     result = _capd("index", "--tap", str(tap), "--model", "hash", "--data-dir", str(data), "--rule", "fused", "--json")

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.mahalanobis_trial import calibrated
-from benchmarks.quality.run import LIMITS, chosen_sets, fit_and_held_out, trial_bench, trial_parser, write_report
+from benchmarks.quality.mahalanobis_trial import calibrated, report_variants
+from benchmarks.quality.run import LIMITS, chosen_sets, trial_bench, trial_parser, write_report
 from capd.autogates import examples_of, nearest_mean
 from capd.evaluation import ScoreTable, score_table
 
@@ -70,10 +70,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                     for name, levels in statistics(table, router.head.in_class, intr, quantile).items():
                         variant = dataclasses.replace(table, levels=levels)
                         variants[name] = calibrated(variant, on.fit_rows, on.held_rows, percentiles=True)
-            for name, got in variants.items():
-                report["results"].append({"set": evalset.name, "variant": name, **got})
-                print(f"{evalset.name:20s} {name:13s} {fit_and_held_out(got['fit_fired_right'], got['held_out'])}",
-                      flush=True)
+            report_variants(report, evalset.name, variants)
     write_report(args.out, report)
     return report
 

@@ -93,6 +93,13 @@ def calibrated(table: ScoreTable, fit_rows: np.ndarray, held_rows: np.ndarray, p
             "held_out": gated(table, held_rows, point)}
 
 
+def report_variants(report: dict[str, Any], set_name: str, variants: dict[str, dict[str, Any]]) -> None:
+    """Add one set's :func:`calibrated` results to ``report`` and print them, a line per variant."""
+    for name, got in variants.items():
+        report["results"].append({"set": set_name, "variant": name, **got})
+        print(f"{set_name:20s} {name:13s} {fit_and_held_out(got['fit_fired_right'], got['held_out'])}", flush=True)
+
+
 def main(argv: list[str]) -> dict[str, Any]:
     parser = trial_parser(__doc__, "mahalanobis_trial")
     parser.add_argument("--shrinkage", default="lw,0.5,0.8", help="lw (Ledoit-Wolf) or fixed shares")
@@ -114,10 +121,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                     for name, levels in found_stats.items():
                         variant = dataclasses.replace(table, levels=levels)
                         variants[name] = calibrated(variant, fit_rows, held_rows, percentiles=True)
-            for name, got in variants.items():
-                report["results"].append({"set": evalset.name, "variant": name, **got})
-                print(f"{evalset.name:20s} {name:13s} {fit_and_held_out(got['fit_fired_right'], got['held_out'])}",
-                      flush=True)
+            report_variants(report, evalset.name, variants)
     write_report(args.out, report)
     return report
 
