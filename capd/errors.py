@@ -91,7 +91,7 @@ class WeightsMismatch(ModelError):
 
 class Stopping(CapdError):
     """The service was closed while it was starting or publishing (HTTP 503: capd cannot answer);
-    also raised inside a fit that :meth:`capd.service.Service.close` cut short."""
+    also raised inside a fit that :meth:`capd.service.Service.interrupt` cut short."""
 
     code = "stopping"
 

@@ -54,6 +54,11 @@ def fitting_threads(replacing: bool) -> AbstractContextManager[object]:
     return limits
 
 
+def heads_dir(settings: Settings) -> Path:
+    """Where the fused heads and their auto gates are cached."""
+    return settings.data_dir / "heads"
+
+
 def fingerprints(index: TriggerIndex, names: Sequence[str]) -> dict[str, str]:
     """Each capability's examples fingerprint in the index (what the head's key and the auto
     gates' basis are made of), in ``names`` order."""
@@ -96,7 +101,7 @@ class RuleFits:
         documents = [index.triggers(n) for n in names]
         tokens = (previous.head.tokens if previous is not None and previous.head is not None
                   and previous.encoder.model_id == encoder.model_id else None)  # not across a model swap
-        return build_head(names, documents, vectors, labels, key, self.settings.data_dir / "heads",
+        return build_head(names, documents, vectors, labels, key, heads_dir(self.settings),
                           encoder.embed_tokens, tokens, fresh, self.stopping.is_set)
 
     def _gated_by_auto(self, catalog: Catalog, gate_model: str) -> bool:
@@ -128,7 +133,7 @@ class RuleFits:
                 self._corpus = encoder.model_id, encoder.embed_tokens(corpus)
             return self._corpus[1]
 
-        fit = auto_gates(examples, abstain_corpus(), embed_corpus, head.key, self.settings.data_dir / "heads",
+        fit = auto_gates(examples, abstain_corpus(), embed_corpus, head.key, heads_dir(self.settings),
                          encoder.model_id, fingerprints(index, examples.names), self._auto_fit)
         point = fit.point
         if not install:

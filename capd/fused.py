@@ -297,6 +297,17 @@ def in_class_similarity(vectors: Floats, labels: npt.NDArray[np.int64], columns:
     return out
 
 
+def _check(stop: Stop | None) -> None:
+    """Raise :class:`~capd.errors.Stopping` once ``stop`` says the result is no longer wanted."""
+    if stop is not None and stop():
+        raise Stopping("capd is stopping")
+
+
+def head_file(cache_dir: Path, key: str) -> Path:
+    """Where :func:`build_head` caches the head fitted for ``key``."""
+    return cache_dir / f"{key}.npz"
+
+
 def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int,
              stop: Stop | None = None) -> tuple[Floats, Floats]:
     """Multinomial logistic regression on the example embeddings: weight ``[dim, C]``, bias ``[C]``.
@@ -334,8 +345,7 @@ def fit_head(vectors: Floats, labels: npt.NDArray[np.int64], columns: int,
                np.empty((len(present), dim), dtype=np.float32))
 
     def loss_and_gradient(flat: npt.NDArray[np.float64]) -> tuple[float, npt.NDArray[np.float64]]:
-        if stop is not None and stop():
-            raise Stopping("capd is stopping")
+        _check(stop)
         params = flat.astype(np.float32).reshape(len(present), dim + 1)
         coef, (logits, coef_gradient) = params[:, :dim], buffers
         np.matmul(x, np.ascontiguousarray(coef.T), out=logits)
@@ -396,7 +406,7 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
     tokens: ExampleTokens | None = None
     over_budget = False  # recorded in the cache file, so a restart does not embed them again to find out
     texts = [t for doc in documents for t in doc]
-    path = cache_dir / f"{key}.npz" if cache_dir is not None else None
+    path = head_file(cache_dir, key) if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
             with np.load(path) as stored:
@@ -444,8 +454,7 @@ def _example_tokens(texts: Sequence[str], labels: Ints, columns: int, embed_toke
     for start in range(0, len(missing), 256):  # in chunks, to stop early on a huge tap
         if sum(len(m) for m in known.values()) > TOKEN_BUDGET:
             break
-        if stop is not None and stop():
-            raise Stopping("capd is stopping")
+        _check(stop)
         chunk = missing[start:start + 256]
         known.update(zip(chunk, embed_tokens(chunk)[1], strict=True))
     if len(known) < len(wanted) or sum(len(known[t]) for t in texts) > TOKEN_BUDGET:

@@ -60,8 +60,9 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
 
     Storing is this command's only job, so it exits 1 when any trigger vector is not in the vector
     cache afterwards (a data directory that cannot be written keeps nothing; a full disk some), or
-    the fused head was not stored, saying so first, as it does when a tap has errors. With `tune = true` (CAPD_TUNE) the
-    vectors are the tuned model's (tuned now unless cached), which the daemon routes with.
+    the fused head was not stored, saying so first, as it does when a tap has errors. With
+    `tune = true` (CAPD_TUNE) the vectors are the tuned model's (tuned now unless cached), which the
+    daemon routes with.
 
     --prune also deletes this model's cached vectors that nothing on these taps needs. It keeps
     those of the triggers and of every other text capd embeds for them under any rule (a command's
@@ -137,6 +138,8 @@ def _fit_rule(settings: Settings) -> dict[str, Any]:
     the service as the daemon would and stopping it: everything it fits is cached in the data
     directory by content, so the daemon finds it. Corrections are routed with (as the daemon
     does) when the data directory has a learned file; none is created here."""
+    from capd.fits import heads_dir
+    from capd.fused import head_file
     from capd.learned import FILE_NAME
     from capd.service import Service
 
@@ -146,8 +149,8 @@ def _fit_rule(settings: Settings) -> dict[str, Any]:
         head = service.router.head
     finally:
         service.close()
-    path = settings.data_dir / "heads" / f"{head.key if head is not None else ''}.npz"
-    return {"stored": head is not None and path.is_file(), "path": str(path.parent),
+    folder = heads_dir(settings)
+    return {"stored": head is not None and head_file(folder, head.key).is_file(), "path": str(folder),
             "seconds": round(time.perf_counter() - started, 3)}
 
 
