@@ -136,6 +136,20 @@ class LearnedStore:
     def open(cls, data_dir: Path, limit: int = MAX_PER_CAPABILITY) -> LearnedStore:
         return cls(Path(data_dir) / FILE_NAME, limit)
 
+    @classmethod
+    def read_only(cls, path: Path) -> LearnedStore:
+        """What ``path`` holds, copied into a store in memory; the file is only read, never written
+        (``capd learned list | export``: a zero-length file stays zero-length, a file from an older
+        capd keeps its columns). Raises :class:`sqlite3.Error` or :class:`OSError` when it cannot be
+        read (damaged, a directory)."""
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory")
+        rows = _read_only_rows(path)
+        store = cls(None)
+        with store._cursor() as conn:
+            conn.executemany("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        return store
+
     @property
     def unsaved(self) -> int:
         """Corrections in use but not yet in the file (0 when healthy)."""
@@ -432,6 +446,8 @@ def _read_only_rows(path: Path) -> list[tuple[Any, ...]]:
 def _rows(uri: str) -> list[tuple[Any, ...]]:
     with closing(sqlite3.connect(uri, uri=True)) as stored:
         columns = {row[1] for row in stored.execute("PRAGMA table_info(learned)")}
+        if not columns and not stored.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+            return []  # an empty database (a zero-length file): nothing learned yet
         kind = "kind" if "kind" in columns else "'trigger'"
         return stored.execute(f"SELECT tap, capability, message, previous, session, created, {kind} "
                               "FROM learned").fetchall()

@@ -670,6 +670,27 @@ def test_learned_commands_fail_on_a_file_they_cannot_read(tmp_path: Path) -> Non
     assert (tmp_path / "damaged" / "learned.sqlite3").read_bytes() == b"not a database " * 400  # left as it is
 
 
+def test_learned_list_and_export_only_read_the_file(tmp_path: Path) -> None:
+    """They opened the store for writing: a zero-length learned.sqlite3 (a data directory a daemon
+    had not written yet) got the schema written into it by a command that only lists."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "learned.sqlite3").touch()
+    held = tmp_path / "held"
+    store = LearnedStore.open(held)
+    store.record(CORE, "docker", MISS, "abstain", "a")
+    store.close()
+    before = (held / "learned.sqlite3").read_bytes()
+    for args in (["list", "--json"], ["export", "--format", "json"]):
+        result = CliRunner().invoke(main, ["learned", *args, "--data-dir", str(empty)])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output) in ({"learned": [], "count": 0}, {"suggestions": []})
+        listed = CliRunner().invoke(main, ["learned", *args, "--data-dir", str(held)])
+        assert listed.exit_code == 0 and MISS in listed.output
+    assert (empty / "learned.sqlite3").stat().st_size == 0
+    assert (held / "learned.sqlite3").read_bytes() == before
+
+
 def test_a_correction_recorded_while_a_learning_pass_publishes_is_routed_with(
         settings_factory: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A second pass was not scheduled while the first one's thread was alive, and the first had

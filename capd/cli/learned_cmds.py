@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,20 @@ from capd.learned import FILE_NAME, Learned, LearnedStore, canonical_tap
 from capd.settings import Settings
 
 
-def _store(settings: Settings) -> LearnedStore:
+def _store(settings: Settings, write: bool = False) -> LearnedStore:
     """The data directory's store; an empty one in memory when it has none, so that a mistyped
-    ``--data-dir`` is said (stderr) and not created with an empty file in it. A file whose contents
-    cannot be read fails the command: an empty list would say "nothing learned" (exit 0)."""
+    ``--data-dir`` is said (stderr) and not created with an empty file in it. Unless ``write``
+    (``forget``), the file is only read. A file whose contents cannot be read fails the command: an
+    empty list would say "nothing learned" (exit 0)."""
     path = settings.data_dir / FILE_NAME
     if not path.exists():
         click.echo(f"capd: no learned corrections in {settings.data_dir} (no {FILE_NAME} there)", err=True)
         return LearnedStore(None)
+    if not write:
+        try:
+            return LearnedStore.read_only(path)
+        except (OSError, sqlite3.Error) as exc:
+            raise Failed(f"{path}: what it holds cannot be read ({exc})") from exc
     store = LearnedStore(path)
     if store.unreadable:
         store.close()
@@ -103,7 +110,7 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
         raise Failed(f"name a capability or pass --all, not both (--all forgets more than {capability})",
                      EXIT_USAGE)
     settings = build_settings(config, data_dir=data_dir, host=host, port=port, uds=uds)
-    store = _store(settings)
+    store = _store(settings, write=True)
     if store.error is not None:  # forgetting in memory would say "forgot N" and change nothing
         store.close()
         raise Failed(store.error.replace("; keeping them in memory", ""))
