@@ -6,7 +6,7 @@ mtime is the model's last use. A process routing with a model holds a shared loc
 :data:`RETAIN` most recently used are kept) and :func:`remove` (``capd tune --remove``) never
 touch a model someone holds, and remove its ONNX export with it. :func:`sweep` clears what
 interrupted training runs (:mod:`capd.tuning`) left behind. ``capd tune --list`` is
-:func:`listing`.
+:func:`listing` and :func:`leftovers`.
 """
 
 from __future__ import annotations
@@ -75,6 +75,46 @@ def sweep(root: Path) -> list[Path]:
         except OSError as exc:
             log.warning("cannot remove the leftover of an interrupted tuning run %s: %s", entry, exc)
     return removed
+
+
+def leftovers(data_dir: Path) -> list[dict[str, Any]]:
+    """The scratch of tuning runs under ``tuned/`` (:data:`LEFTOVER`), for ``capd tune --list``:
+    name, path, size on disk, the writing process's pid and whether it is still running (if not,
+    the next tuning run or ``capd tune --remove NAME`` removes it)."""
+    try:
+        entries = sorted((data_dir / "tuned").iterdir())
+    except OSError:
+        return []
+    rows = []
+    for entry in entries:
+        match = LEFTOVER.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            files = [entry] if not entry.is_dir() else [f for f in entry.rglob("*") if f.is_file()]
+            size = sum(f.stat().st_size for f in files)
+        except OSError:
+            continue  # removed meanwhile
+        pid = int(match["pid"])
+        rows.append({"name": entry.name, "path": str(entry), "bytes": size, "pid": pid, "running": process_alive(pid)})
+    return rows
+
+
+def _remove_leftover(entry: Path, pid: int) -> Path:
+    """``capd tune --remove .KEY.PID.tmp``: a leftover whose process ``pid`` is gone (:func:`leftovers`)."""
+    if process_alive(pid):
+        raise CapdError(f"{entry} is being written by a running tuning run (pid {pid}); "
+                        "it is removed when that run ends")
+    try:
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    except FileNotFoundError:
+        pass  # its run, or another process sweeping, removed it first
+    except OSError as exc:
+        raise CapdError(f"cannot remove {entry}: {exc}") from exc
+    return entry
 
 
 def _in_use_path(directory: Path) -> Path:
@@ -168,9 +208,14 @@ def prune(data_dir: Path, keep: str, retain: int = RETAIN) -> list[Path]:
 
 def remove(data_dir: Path, name: str) -> Path:
     """``capd tune --remove NAME``: remove the tuned model whose directory under ``tuned/`` is
-    ``name`` or the one that starts with it (its ONNX export too); returns its path. Raises
-    CapdError for no match, several matches, or a model a running process routes with."""
+    ``name`` or the one that starts with it (its ONNX export too), or the leftover of an
+    interrupted tuning run named exactly (:func:`leftovers`); returns its path. Raises CapdError
+    for no match, several matches, a model a running process routes with, or a leftover whose run
+    is still going."""
     root = data_dir / "tuned"
+    leftover = LEFTOVER.fullmatch(name)
+    if leftover is not None and (root / name).exists():  # named exactly, as --list shows it
+        return _remove_leftover(root / name, int(leftover["pid"]))
     names = [d.name for d, _ in _by_use(root)]
     matches = [n for n in names if n == name] or [n for n in names if name and n.startswith(name)]
     if not matches:

@@ -257,6 +257,30 @@ def test_tune_remove_removes_what_it_names_and_reports_what_it_cannot(tmp_path: 
     assert CliRunner().invoke(main, [*args, "--remove", "x", "--list"]).exit_code == 2
 
 
+def test_tune_list_shows_what_interrupted_runs_left_and_remove_takes_it(tmp_path: Path) -> None:
+    """A tuning run killed while saving leaves ``.KEY.PID.tmp`` (a model's size) that only the next
+    tuning run swept: --list did not show it and --remove could not name it."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    fake_models(tmp_path, ["ab12"])
+    dead = tmp_path / "tuned" / f".ab34.{int(gone.stdout)}.tmp"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"w" * 5000)
+    running = tmp_path / "tuned" / f".cd56.{os.getpid()}.tmp"
+    running.mkdir()
+    args = ["tune", "--data-dir", str(tmp_path)]
+    listed = json.loads(CliRunner().invoke(main, [*args, "--list", "--json"]).stdout)
+    assert [r["key"] for r in listed["tuned"]] == ["ab12"]
+    assert [(r["name"], r["bytes"], r["running"]) for r in listed["leftovers"]] == [
+        (dead.name, 5000, False), (running.name, 0, True)]
+    text = CliRunner().invoke(main, [*args, "--list"]).stdout
+    assert f"capd tune --remove {dead.name}" in text and "a tuning run in progress" in text
+    result = CliRunner().invoke(main, [*args, "--remove", dead.name, "--remove", running.name])
+    assert result.exit_code == 1 and f"removed {dead}" in result.stdout
+    assert "being written by a running tuning run" in result.stderr
+    assert not dead.exists() and running.exists() and is_tuned(tuned_dir(tmp_path, "ab12"))
+
+
 # -- the real model -----------------------------------------------------------------------------
 
 

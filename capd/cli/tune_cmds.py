@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 @click.option("--list", "listing", is_flag=True,
               help="List the tuned models in the data directory instead (the taps' own is marked *).")
 @click.option("--remove", "remove", multiple=True, metavar="KEY",
-              help="Remove this tuned model (a key from --list, or its unique start) instead; repeatable.")
+              help="Remove this tuned model (a key from --list, or its unique start), or a leftover "
+              "of an interrupted tuning run named as --list shows it, instead; repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
          backend: str | None, listing: bool, remove: tuple[str, ...], as_json: bool) -> None:
@@ -31,9 +32,10 @@ def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mod
     for a few capabilities, a few minutes for a hundred). Nothing in the taps is modified.
 
     With --list nothing is tuned: each tuned model in the data directory with its last use, size,
-    whether a running capd routes with it, and training summary. capd keeps the 3 most recently
-    used, and never removes one in use. --remove KEY removes one now (with its ONNX export);
-    a model in use is refused.
+    whether a running capd routes with it, and training summary; then what tuning runs left
+    behind (.KEY.PID.tmp). capd keeps the 3 most recently used, and never removes one in use.
+    --remove KEY removes one now (with its ONNX export), or a leftover named as listed; a model
+    in use, or a leftover whose run is still going, is refused.
 
     Example: capd tune --tap taps/core
     """
@@ -67,7 +69,7 @@ def tune(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mod
 def _list(settings: Settings, as_json: bool) -> None:
     from capd.models import HASH_MODEL
     from capd.taps import load_catalog
-    from capd.tuned_models import listing
+    from capd.tuned_models import leftovers, listing
     from capd.tuner import TOO_FEW, target_for
 
     wanted, too_few = None, False  # the hash model is never tuned: no tuned model is the taps' own
@@ -76,8 +78,9 @@ def _list(settings: Settings, as_json: bool) -> None:
         too_few = len(target.groups) < 2  # `capd tune` would refuse: never advise it
         wanted = None if too_few else target.key
     rows = [{**row, "current": row["key"] == wanted} for row in listing(settings.data_dir)]
+    scratch = leftovers(settings.data_dir)
     if as_json:
-        emit_json({"data_dir": str(settings.data_dir), "wanted": wanted, "tuned": rows})
+        emit_json({"data_dir": str(settings.data_dir), "wanted": wanted, "tuned": rows, "leftovers": scratch})
         return
     for row in rows:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["last_used"]))
@@ -85,6 +88,10 @@ def _list(settings: Settings, as_json: bool) -> None:
                    f"{row['bytes'] / 1e6:6.1f} MB  "
                    f"{row['capabilities']} capabilities, {row['examples']} examples, {row['steps']} steps  "
                    f"{row['path']}")
+    for left in scratch:
+        what = (f"a tuning run in progress (pid {left['pid']})" if left["running"] else
+                f"left by an interrupted tuning run (pid {left['pid']}, gone): capd tune --remove {left['name']}")
+        click.echo(f"  {left['name']}  {left['bytes'] / 1e6:6.1f} MB  {what}")
     if too_few:
         click.echo(f"no tuned model for these taps: {TOO_FEW}")
     elif not any(row["current"] for row in rows):
