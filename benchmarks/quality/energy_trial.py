@@ -23,13 +23,12 @@ written to ``benchmarks/results/energy_trial.json``.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.mahalanobis_trial import calibrated, report_variants
+from benchmarks.quality.mahalanobis_trial import calibrated_variants, report_variants
 from benchmarks.quality.run import LIMITS, chosen_sets, trial_bench, trial_parser, write_report
 from capd import fused
 from capd.evaluation import ScoreTable, score_table
@@ -73,11 +72,8 @@ def main(argv: list[str]) -> dict[str, Any]:
                 router = on.service.router
                 assert router.head is not None
                 table = score_table(router, on.fixtures, vectors=on.vectors, tokens=on.tokens)
-                variants = {"shipped": calibrated(table, on.fit_rows, on.held_rows, percentiles=False)}
-                for name, levels in statistics(table, router.head, on.vectors.astype(np.float64),
-                                               on.fit_rows).items():
-                    variant = dataclasses.replace(table, levels=levels)
-                    variants[name] = calibrated(variant, on.fit_rows, on.held_rows, percentiles=True)
+                stats = statistics(table, router.head, on.vectors.astype(np.float64), on.fit_rows)
+                variants = calibrated_variants(table, stats, on.fit_rows, on.held_rows)
             report_variants(report, evalset.name, variants)
     write_report(args.out, report)
     return report

@@ -23,13 +23,12 @@ written to ``benchmarks/results/intruder_trial.json``.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.mahalanobis_trial import calibrated, report_variants
+from benchmarks.quality.mahalanobis_trial import calibrated_variants, report_variants
 from benchmarks.quality.run import LIMITS, chosen_sets, trial_bench, trial_parser, write_report
 from capd.autogates import examples_of, nearest_mean
 from capd.evaluation import ScoreTable, score_table
@@ -64,12 +63,11 @@ def main(argv: list[str]) -> dict[str, Any]:
                 examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
                 assert examples is not None
                 table = score_table(router, on.fixtures, vectors=on.vectors, tokens=on.tokens)
-                variants = {"shipped": calibrated(table, on.fit_rows, on.held_rows, percentiles=False)}
+                stats: dict[str, np.ndarray] = {}
                 for quantile in [float(q) for q in args.quantiles.split(",") if q]:
                     intr = intruders(examples.vectors, examples.labels, len(table.names), quantile)
-                    for name, levels in statistics(table, router.head.in_class, intr, quantile).items():
-                        variant = dataclasses.replace(table, levels=levels)
-                        variants[name] = calibrated(variant, on.fit_rows, on.held_rows, percentiles=True)
+                    stats |= statistics(table, router.head.in_class, intr, quantile)
+                variants = calibrated_variants(table, stats, on.fit_rows, on.held_rows)
             report_variants(report, evalset.name, variants)
     write_report(args.out, report)
     return report

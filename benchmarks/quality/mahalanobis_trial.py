@@ -93,6 +93,16 @@ def calibrated(table: ScoreTable, fit_rows: np.ndarray, held_rows: np.ndarray, p
             "held_out": gated(table, held_rows, point)}
 
 
+def calibrated_variants(table: ScoreTable, statistics: dict[str, np.ndarray], fit_rows: np.ndarray,
+                        held_rows: np.ndarray) -> dict[str, dict[str, Any]]:
+    """:func:`calibrated` for the shipped level and for each named threshold statistic ``[rows, C]``
+    in its place, the threshold swept over the fit part's percentiles of that statistic."""
+    variants = {"shipped": calibrated(table, fit_rows, held_rows, percentiles=False)}
+    for name, levels in statistics.items():
+        variants[name] = calibrated(dataclasses.replace(table, levels=levels), fit_rows, held_rows, percentiles=True)
+    return variants
+
+
 def report_variants(report: dict[str, Any], set_name: str, variants: dict[str, dict[str, Any]]) -> None:
     """Add one set's :func:`calibrated` results to ``report`` and print them, a line per variant."""
     for name, got in variants.items():
@@ -114,13 +124,11 @@ def main(argv: list[str]) -> dict[str, Any]:
                 examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
                 assert examples is not None
                 table = score_table(router, on.fixtures, vectors=vectors, tokens=on.tokens)
-                variants = {"shipped": calibrated(table, fit_rows, held_rows, percentiles=False)}
+                found_stats: dict[str, np.ndarray] = {}
                 for shrinkage in [s for s in args.shrinkage.split(",") if s]:
-                    found_stats = statistics(table, examples.vectors.astype(np.float64), examples.labels,
-                                             vectors.astype(np.float64), fit_rows, shrinkage)
-                    for name, levels in found_stats.items():
-                        variant = dataclasses.replace(table, levels=levels)
-                        variants[name] = calibrated(variant, fit_rows, held_rows, percentiles=True)
+                    found_stats |= statistics(table, examples.vectors.astype(np.float64), examples.labels,
+                                              vectors.astype(np.float64), fit_rows, shrinkage)
+                variants = calibrated_variants(table, found_stats, fit_rows, held_rows)
             report_variants(report, evalset.name, variants)
     write_report(args.out, report)
     return report
