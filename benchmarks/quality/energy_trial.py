@@ -23,15 +23,16 @@ written to ``benchmarks/results/energy_trial.json``.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.mahalanobis_trial import calibrated_variants, report_variants
-from benchmarks.quality.run import LIMITS, chosen_sets, trial_bench, trial_parser, write_report
+from benchmarks.quality.run import FusedSet
+from benchmarks.quality.statistic_trial import run
 from capd import fused
-from capd.evaluation import ScoreTable, score_table
+from capd.evaluation import ScoreTable
 
 
 def logsumexp(values: np.ndarray) -> np.ndarray:
@@ -62,21 +63,11 @@ def statistics(table: ScoreTable, head: fused.FusedHead, messages: np.ndarray,
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    parser = trial_parser(__doc__, "energy_trial")
-    args = parser.parse_args(argv)
-    found, skipped = chosen_sets(args)
-    report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
-    with trial_bench("energy") as bench:
-        for evalset in found:
-            with bench.fused_set(evalset) as on:
-                router = on.service.router
-                assert router.head is not None
-                table = score_table(router, on.fixtures, vectors=on.vectors, tokens=on.tokens)
-                stats = statistics(table, router.head, on.vectors.astype(np.float64), on.fit_rows)
-                variants = calibrated_variants(table, stats, on.fit_rows, on.held_rows)
-            report_variants(report, evalset.name, variants)
-    write_report(args.out, report)
-    return report
+    def variants(_: argparse.Namespace, on: FusedSet, table: ScoreTable) -> dict[str, np.ndarray]:
+        assert on.service.router.head is not None
+        return statistics(table, on.service.router.head, on.vectors.astype(np.float64), on.fit_rows)
+
+    return run(__doc__, "energy_trial", argv, variants)
 
 
 if __name__ == "__main__":

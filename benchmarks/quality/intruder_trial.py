@@ -23,15 +23,16 @@ written to ``benchmarks/results/intruder_trial.json``.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.mahalanobis_trial import calibrated_variants, report_variants
-from benchmarks.quality.run import LIMITS, chosen_sets, trial_bench, trial_parser, write_report
+from benchmarks.quality.run import FusedSet
+from benchmarks.quality.statistic_trial import run
 from capd.autogates import examples_of, nearest_mean
-from capd.evaluation import ScoreTable, score_table
+from capd.evaluation import ScoreTable
 
 
 def intruders(vectors: np.ndarray, labels: np.ndarray, columns: int, quantile: float) -> np.ndarray:
@@ -49,28 +50,22 @@ def statistics(table: ScoreTable, in_class: np.ndarray, intr: np.ndarray, quanti
             f"K-mid {quantile:g}": near - (in_class + intr)[None, :] / 2}
 
 
+def all_statistics(args: argparse.Namespace, on: FusedSet, table: ScoreTable) -> dict[str, np.ndarray]:
+    """Every ``--quantiles``'s variants."""
+    router = on.service.router
+    assert router.head is not None
+    examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
+    assert examples is not None
+    found: dict[str, np.ndarray] = {}
+    for quantile in [float(q) for q in args.quantiles.split(",") if q]:
+        intr = intruders(examples.vectors, examples.labels, len(table.names), quantile)
+        found |= statistics(table, router.head.in_class, intr, quantile)
+    return found
+
+
 def main(argv: list[str]) -> dict[str, Any]:
-    parser = trial_parser(__doc__, "intruder_trial")
-    parser.add_argument("--quantiles", default="0.9,0.99,1", help="quantiles of the intruders' K")
-    args = parser.parse_args(argv)
-    found, skipped = chosen_sets(args)
-    report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
-    with trial_bench("intruder") as bench:
-        for evalset in found:
-            with bench.fused_set(evalset) as on:
-                router = on.service.router
-                assert router.head is not None
-                examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
-                assert examples is not None
-                table = score_table(router, on.fixtures, vectors=on.vectors, tokens=on.tokens)
-                stats: dict[str, np.ndarray] = {}
-                for quantile in [float(q) for q in args.quantiles.split(",") if q]:
-                    intr = intruders(examples.vectors, examples.labels, len(table.names), quantile)
-                    stats |= statistics(table, router.head.in_class, intr, quantile)
-                variants = calibrated_variants(table, stats, on.fit_rows, on.held_rows)
-            report_variants(report, evalset.name, variants)
-    write_report(args.out, report)
-    return report
+    return run(__doc__, "intruder_trial", argv, all_statistics, lambda parser: parser.add_argument(
+        "--quantiles", default="0.9,0.99,1", help="quantiles of the intruders' K"))
 
 
 if __name__ == "__main__":

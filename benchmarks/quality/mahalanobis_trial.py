@@ -23,17 +23,16 @@ statistic; the held-out metrics are printed per variant and written to
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import LIMITS, chosen_sets, fit_and_held_out, gated, trial_bench, trial_parser, write_report
-from capd import fused
+from benchmarks.quality.run import FusedSet
+from benchmarks.quality.statistic_trial import run
 from capd.autogates import examples_of
-from capd.calibrate import best_point, grid_for
-from capd.evaluation import ScoreTable, score_table
+from capd.evaluation import ScoreTable
 
 
 def precision(residuals: np.ndarray, shrinkage: str) -> tuple[np.ndarray, float]:
@@ -78,60 +77,22 @@ def statistics(table: ScoreTable, examples: np.ndarray, labels: np.ndarray, mess
             f"combo {tag}": (standardised(table.levels) + standardised(near)) / 2}
 
 
-def calibrated(table: ScoreTable, fit_rows: np.ndarray, held_rows: np.ndarray, percentiles: bool) -> dict[str, Any]:
-    """Fit-part fired_right and the held-out metrics at the gates calibrated on the fit part."""
-    grid = grid_for("fused")
-    if percentiles:
-        assert table.levels is not None
-        winner = table.scores.argmax(axis=1)
-        level = table.levels[np.arange(len(winner)), winner][fit_rows]
-        grid = dataclasses.replace(grid, thresholds=np.unique(np.quantile(level, np.linspace(0, 1, 101))))
-    point, _ = best_point({fused.TOP_K: table.subset(fit_rows)}, grid=grid, **LIMITS)
-    if point is None:
-        return {"fit_fired_right": None, "held_out": None}
-    return {"fit_fired_right": point.fired_right, "coverage": point.coverage,
-            "held_out": gated(table, held_rows, point)}
-
-
-def calibrated_variants(table: ScoreTable, statistics: dict[str, np.ndarray], fit_rows: np.ndarray,
-                        held_rows: np.ndarray) -> dict[str, dict[str, Any]]:
-    """:func:`calibrated` for the shipped level and for each named threshold statistic ``[rows, C]``
-    in its place, the threshold swept over the fit part's percentiles of that statistic."""
-    variants = {"shipped": calibrated(table, fit_rows, held_rows, percentiles=False)}
-    for name, levels in statistics.items():
-        variants[name] = calibrated(dataclasses.replace(table, levels=levels), fit_rows, held_rows, percentiles=True)
-    return variants
-
-
-def report_variants(report: dict[str, Any], set_name: str, variants: dict[str, dict[str, Any]]) -> None:
-    """Add one set's :func:`calibrated` results to ``report`` and print them, a line per variant."""
-    for name, got in variants.items():
-        report["results"].append({"set": set_name, "variant": name, **got})
-        print(f"{set_name:20s} {name:13s} {fit_and_held_out(got['fit_fired_right'], got['held_out'])}", flush=True)
+def all_statistics(args: argparse.Namespace, on: FusedSet, table: ScoreTable) -> dict[str, np.ndarray]:
+    """Every ``--shrinkage``'s variants."""
+    router = on.service.router
+    assert router.head is not None
+    examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
+    assert examples is not None
+    found: dict[str, np.ndarray] = {}
+    for shrinkage in [s for s in args.shrinkage.split(",") if s]:
+        found |= statistics(table, examples.vectors.astype(np.float64), examples.labels,
+                            on.vectors.astype(np.float64), on.fit_rows, shrinkage)
+    return found
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    parser = trial_parser(__doc__, "mahalanobis_trial")
-    parser.add_argument("--shrinkage", default="lw,0.5,0.8", help="lw (Ledoit-Wolf) or fixed shares")
-    args = parser.parse_args(argv)
-    found, skipped = chosen_sets(args)
-    report: dict[str, Any] = {"limits": LIMITS, "skipped": skipped, "results": []}
-    with trial_bench("mahalanobis") as bench:
-        for evalset in found:
-            with bench.fused_set(evalset) as on:
-                router, fit_rows, held_rows, vectors = on.service.router, on.fit_rows, on.held_rows, on.vectors
-                assert router.head is not None
-                examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
-                assert examples is not None
-                table = score_table(router, on.fixtures, vectors=vectors, tokens=on.tokens)
-                found_stats: dict[str, np.ndarray] = {}
-                for shrinkage in [s for s in args.shrinkage.split(",") if s]:
-                    found_stats |= statistics(table, examples.vectors.astype(np.float64), examples.labels,
-                                              vectors.astype(np.float64), fit_rows, shrinkage)
-                variants = calibrated_variants(table, found_stats, fit_rows, held_rows)
-            report_variants(report, evalset.name, variants)
-    write_report(args.out, report)
-    return report
+    return run(__doc__, "mahalanobis_trial", argv, all_statistics, lambda parser: parser.add_argument(
+        "--shrinkage", default="lw,0.5,0.8", help="lw (Ledoit-Wolf) or fixed shares"))
 
 
 if __name__ == "__main__":
