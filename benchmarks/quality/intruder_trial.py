@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.quality.run import FusedSet
-from benchmarks.quality.statistic_trial import run
-from capd.autogates import examples_of, nearest_mean
+from benchmarks.quality.statistic_trial import head_and_examples, run
+from capd.autogates import nearest_mean
 from capd.evaluation import ScoreTable
 
 
@@ -52,14 +52,11 @@ def statistics(table: ScoreTable, in_class: np.ndarray, intr: np.ndarray, quanti
 
 def all_statistics(args: argparse.Namespace, on: FusedSet, table: ScoreTable) -> dict[str, np.ndarray]:
     """Every ``--quantiles``'s variants."""
-    router = on.service.router
-    assert router.head is not None
-    examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
-    assert examples is not None
+    head, examples = head_and_examples(on)
     found: dict[str, np.ndarray] = {}
     for quantile in [float(q) for q in args.quantiles.split(",") if q]:
         intr = intruders(examples.vectors, examples.labels, len(table.names), quantile)
-        found |= statistics(table, router.head.in_class, intr, quantile)
+        found |= statistics(table, head.in_class, intr, quantile)
     return found
 
 

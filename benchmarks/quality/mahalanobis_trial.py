@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.quality.run import FusedSet
-from benchmarks.quality.statistic_trial import run
-from capd.autogates import examples_of
+from benchmarks.quality.statistic_trial import head_and_examples, run
 from capd.evaluation import ScoreTable
 
 
@@ -79,10 +78,7 @@ def statistics(table: ScoreTable, examples: np.ndarray, labels: np.ndarray, mess
 
 def all_statistics(args: argparse.Namespace, on: FusedSet, table: ScoreTable) -> dict[str, np.ndarray]:
     """Every ``--shrinkage``'s variants."""
-    router = on.service.router
-    assert router.head is not None
-    examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
-    assert examples is not None
+    _, examples = head_and_examples(on)
     found: dict[str, np.ndarray] = {}
     for shrinkage in [s for s in args.shrinkage.split(",") if s]:
         found |= statistics(table, examples.vectors.astype(np.float64), examples.labels,

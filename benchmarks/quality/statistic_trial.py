@@ -24,11 +24,21 @@ from benchmarks.quality.run import (
     write_report,
 )
 from capd import fused
+from capd.autogates import Examples, examples_of
 from capd.calibrate import best_point, grid_for
 from capd.evaluation import ScoreTable, score_table
 
 # (the parsed arguments, one eval set under the fused rule, its score table) -> {variant: [rows, C]}
 Statistics = Callable[[argparse.Namespace, FusedSet, ScoreTable], dict[str, np.ndarray]]
+
+
+def head_and_examples(on: FusedSet) -> tuple[fused.FusedHead, Examples]:
+    """The set's fused head and the examples it was fitted on (vectors, labels)."""
+    router = on.service.router
+    assert router.head is not None, "the fused rule's head"
+    examples = examples_of(router.index, router.head, router.encoder.embed_tokens)
+    assert examples is not None, "the index the head was fitted on"
+    return router.head, examples
 
 
 def calibrated(table: ScoreTable, fit_rows: np.ndarray, held_rows: np.ndarray, percentiles: bool) -> dict[str, Any]:
