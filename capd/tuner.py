@@ -114,11 +114,17 @@ class Tuner:
         self._children: list[subprocess.Popen[bytes]] = []
         self._training: str | None = None  # the key a tuning run in this process is training
         self._closed = False
+        # A background run under way (set when it starts, cleared when it has decided not to go on:
+        # under the lock, so a retune that finds it set can leave the catalog to it, and it sees that).
+        self._lock = threading.Lock()
+        self._running = False
+        self._recheck = False  # a retune came while it ran: it checks the catalog again when it ends
 
     @property
     def busy(self) -> bool:
         """A tuning run is under way in the background thread."""
-        return self._thread is not None and self._thread.is_alive()
+        with self._lock:
+            return self._running
 
     def target(self, catalog: Catalog) -> Target:
         return target_for(self.settings, catalog, self.recipe)
@@ -147,29 +153,49 @@ class Tuner:
     def ensure(self, background: bool) -> None:
         """Route with the tuned model for the current catalog: reuse it if it exists, else tune
         (in a background thread for the daemon, which keeps serving meanwhile; else blocking)."""
+        if background and self._leave_to_the_run():
+            return
+        job = self._job()
+        if job is None:
+            return
+        if not background:
+            self._tune(*job)
+            return
+        if self._leave_to_the_run(start=True):
+            return
+        self._thread = threading.Thread(target=self._tune_in_background, args=(job,), name="capd-tune", daemon=True)
+        self._thread.start()
+
+    def _leave_to_the_run(self, start: bool = False) -> bool:
+        """True when a background run is under way: it checks the catalog again when it ends. Else
+        False, and with ``start`` the caller's run is now the one under way."""
+        with self._lock:
+            if self._running:
+                self._recheck = True
+                return True
+            if start:
+                self._running = True
+            return False
+
+    def _job(self) -> tuple[Target, Path] | None:
+        """What the current catalog needs tuned, and where; None when nothing is to be tuned: its
+        tuned model is in use, or was just switched to, or it cannot be tuned (state says why)."""
         target = self.target(self._catalog_now())
         key = self.state.wanted = target.key
         if key == self.state.key:
             self.state.current()
-            return
+            return None
         path = tuned_dir(self.settings.data_dir, key)
         if is_tuned(path):
             if self._use(path, key) or self._closed:
-                return
+                return None
             if set_aside(path, self.state.error or "it does not load") is None:
-                return  # stays failed: tuning again would publish next to the damaged copy
+                return None  # stays failed: tuning again would publish next to the damaged copy
         if len(target.groups) < 2:
             self.state.status = "untuned" if self.state.key is None else "stale"
             self.state.error = TOO_FEW
-            return
-        if not background:
-            self._tune(target, path)
-            return
-        if self.busy and self._thread is not threading.current_thread():
-            return  # it re-checks the catalog when it finishes
-        self._thread = threading.Thread(target=self._tune_in_background, args=(target, path), name="capd-tune",
-                                        daemon=True)
-        self._thread.start()
+            return None
+        return target, path
 
     def close(self) -> None:
         """Cancel a pending retune and kill a training child (:func:`~capd.tuning.run_child` then
@@ -218,9 +244,21 @@ class Tuner:
         self.state.current()
         return True
 
-    def _tune_in_background(self, target: Target, path: Path) -> None:
-        self._tune(target, path)
-        timer = self._timer
-        retry = self.state.status != "failed" or target.key != self.state.wanted  # a failure of an outdated key too
-        if not self._closed and retry and (timer is None or not timer.is_alive()):
-            self.ensure(background=True)  # the taps changed while it ran, and the timer already fired
+    def _tune_in_background(self, job: tuple[Target, Path] | None) -> None:
+        """Tune ``job``, then the catalog again while retunes came meanwhile (tap edits whose timer
+        fired during the run), except after a failure of the key the taps still ask for. An edit
+        whose timer has not fired yet is left to it."""
+        try:
+            while True:
+                if job is not None:
+                    self._tune(*job)
+                with self._lock:
+                    failed = job is not None and self.state.status == "failed" and job[0].key == self.state.wanted
+                    again, self._recheck = self._recheck and not failed and not self._closed, False
+                    if not again:
+                        self._running = False
+                        return
+                job = self._job()
+        finally:
+            with self._lock:
+                self._running = False

@@ -294,6 +294,54 @@ def test_health_drops_the_reason_of_a_past_failure_once_the_tuned_model_fits_aga
         service.close()
 
 
+def test_a_retune_that_fires_as_a_tuning_ends_is_not_lost(tuned_settings: Settings,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second edit's retune timer fired while the first edit's tuning ran: it left the catalog to
+    that run, and the run, ending while the timer's thread was still returning, left it to the
+    timer. Nobody tuned for the second edit; health said ``stale`` until the next edit."""
+    monkeypatch.setattr(tuner_module, "TUNE_DELAY", 60.0)  # the retunes below are started by hand
+    trained: list[str] = []
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained))
+    service = Service(tuned_settings, sessions=True).start()
+    gate, skipped, release = threading.Event(), threading.Event(), threading.Event()
+    try:
+        wait_idle(service)
+        monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained, gate))
+        tap = tuned_settings.taps[0]
+        write_capability(tap, "docker", [*TRIGGERS["docker"], "remove dangling images"])
+        service.reload()
+        service.tuner.ensure(background=True)  # the first edit's timer: a tuning starts, held at the gate
+        running = service.tuner._thread
+        write_capability(tap, "docker", [*TRIGGERS["docker"], "remove dangling images", "prune the volumes"])
+        service.reload()
+        second = service.tuner.state.wanted
+        assert service.tuner._timer is not None
+        service.tuner._timer.cancel()
+
+        def timer_fires() -> None:  # the second edit's timer, firing now and still returning when the run ends
+            service.tuner.ensure(background=True)
+            skipped.set()
+            release.wait(10)
+
+        fired = threading.Timer(0, timer_fires)
+        monkeypatch.setattr(service.tuner, "_timer", fired)
+        fired.start()
+        assert skipped.wait(10)
+        gate.set()
+        assert running is not None
+        running.join(10)
+        release.set()
+        fired.join(10)
+        wait_idle(service)
+        assert trained[-1] == second, trained
+        state = service.health()["tuning"]
+        assert (state["status"], state["key"]) == ("ready", second), state
+    finally:
+        gate.set()
+        release.set()
+        service.close()
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["tuned", "failed"])
 def test_an_edit_undone_while_its_tuning_ran_leaves_health_ready(
         tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
