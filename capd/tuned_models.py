@@ -67,14 +67,19 @@ def sweep(root: Path) -> list[Path]:
         if match is None or process_alive(int(match["pid"])):
             continue
         try:
-            if entry.is_dir():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+            _delete_leftover(entry)
             removed.append(entry)
         except OSError as exc:
             log.warning("cannot remove the leftover of an interrupted tuning run %s: %s", entry, exc)
     return removed
+
+
+def _delete_leftover(entry: Path) -> None:
+    """Remove one leftover (:data:`LEFTOVER`): a scratch directory or a spec file. Raises OSError."""
+    if entry.is_dir():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
 
 
 def leftovers(data_dir: Path) -> list[dict[str, Any]]:
@@ -106,10 +111,7 @@ def _remove_leftover(entry: Path, pid: int) -> Path:
         raise CapdError(f"{entry} is being written by a running tuning run (pid {pid}); "
                         "it is removed when that run ends")
     try:
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+        _delete_leftover(entry)
     except FileNotFoundError:
         pass  # its run, or another process sweeping, removed it first
     except OSError as exc:

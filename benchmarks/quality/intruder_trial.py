@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.quality.run import FusedSet
-from benchmarks.quality.statistic_trial import head_and_examples, run
+from benchmarks.quality.statistic_trial import head_and_examples, per_value, run
 from capd.autogates import nearest_mean
 from capd.evaluation import ScoreTable
 
@@ -53,11 +53,12 @@ def statistics(table: ScoreTable, in_class: np.ndarray, intr: np.ndarray, quanti
 def all_statistics(args: argparse.Namespace, on: FusedSet, table: ScoreTable) -> dict[str, np.ndarray]:
     """Every ``--quantiles``'s variants."""
     head, examples = head_and_examples(on)
-    found: dict[str, np.ndarray] = {}
-    for quantile in [float(q) for q in args.quantiles.split(",") if q]:
-        intr = intruders(examples.vectors, examples.labels, len(table.names), quantile)
-        found |= statistics(table, head.in_class, intr, quantile)
-    return found
+
+    def at(quantile: str) -> dict[str, np.ndarray]:
+        intr = intruders(examples.vectors, examples.labels, len(table.names), float(quantile))
+        return statistics(table, head.in_class, intr, float(quantile))
+
+    return per_value(args.quantiles, at)
 
 
 def main(argv: list[str]) -> dict[str, Any]:

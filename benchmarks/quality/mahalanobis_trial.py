@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.quality.run import FusedSet
-from benchmarks.quality.statistic_trial import head_and_examples, run
+from benchmarks.quality.statistic_trial import head_and_examples, per_value, run
 from capd.evaluation import ScoreTable
 
 
@@ -79,11 +79,9 @@ def statistics(table: ScoreTable, examples: np.ndarray, labels: np.ndarray, mess
 def all_statistics(args: argparse.Namespace, on: FusedSet, table: ScoreTable) -> dict[str, np.ndarray]:
     """Every ``--shrinkage``'s variants."""
     _, examples = head_and_examples(on)
-    found: dict[str, np.ndarray] = {}
-    for shrinkage in [s for s in args.shrinkage.split(",") if s]:
-        found |= statistics(table, examples.vectors.astype(np.float64), examples.labels,
-                            on.vectors.astype(np.float64), on.fit_rows, shrinkage)
-    return found
+    return per_value(args.shrinkage, lambda shrinkage: statistics(
+        table, examples.vectors.astype(np.float64), examples.labels, on.vectors.astype(np.float64), on.fit_rows,
+        shrinkage))
 
 
 def main(argv: list[str]) -> dict[str, Any]:

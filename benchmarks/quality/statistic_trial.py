@@ -41,6 +41,14 @@ def head_and_examples(on: FusedSet) -> tuple[fused.FusedHead, Examples]:
     return router.head, examples
 
 
+def per_value(values: str, variants: Callable[[str], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The variants of each comma-separated value of a trial's option (``--shrinkage lw,0.5``), in one dict."""
+    found: dict[str, np.ndarray] = {}
+    for value in (v for v in values.split(",") if v):
+        found |= variants(value)
+    return found
+
+
 def calibrated(table: ScoreTable, fit_rows: np.ndarray, held_rows: np.ndarray, percentiles: bool) -> dict[str, Any]:
     """Fit-part fired_right and the held-out metrics at the gates calibrated on the fit part."""
     grid = grid_for("fused")
