@@ -52,6 +52,9 @@ _EVENTS: list[type[FileSystemEvent]] = [
 ]
 
 
+_ANCESTOR_EVENTS = frozenset({"created", "deleted", "moved"})  # a folder above a tap: what can take the tap along
+
+
 def _ignore_rewatch_warning() -> None:
     """Keep watchdog's "Callback with id … already exists for watch" RuntimeWarning out of the log.
 
@@ -81,8 +84,11 @@ class _Queue(FileSystemEventHandler):
         raw = [event.src_path, getattr(event, "dest_path", "")]
         paths = [Path(p if isinstance(p, str) else p.decode()) for p in raw if p]
         inside = [p for p in paths if any(p == tap or tap in p.parents for tap in self.taps)]
-        # a folder on the way to a tap, created, deleted or moved: the tap itself may have come or gone
-        inside += [tap for tap in self.taps if any(p in tap.parents for p in paths)]
+        # a folder on the way to a tap, created, deleted or moved: the tap itself may have come or gone.
+        # Not "modified": a folder above a tap is modified whenever anything next to the tap is created
+        # or removed (a log, an editor's swap file), and the tap itself coming or going has its own event.
+        if event.event_type in _ANCESTOR_EVENTS:
+            inside += [tap for tap in self.taps if any(p in tap.parents for p in paths)]
         if inside:
             self.watcher.notify(inside)
 
