@@ -332,7 +332,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
             service.close()
 
     app = FastAPI(title="capd", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,  # CDN pages
-                  description="Local capability router for AI agents. See DESIGN.md.",
+                  description="Local capability router for AI agents. Every endpoint: the README, *HTTP API*.",
                   redirect_slashes=False)  # a trailing slash is a 404 with a reason, not a bare 307
     _install_handlers(app)
     _install_routes(app)

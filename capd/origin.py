@@ -62,7 +62,7 @@ class LocalAddresses:
             else:
                 host = "" if value.strip() == "null" else _hostname(urlsplit(value.strip()).netloc)
             if not self.allows(host):
-                return (f"{name.decode().capitalize()} {value!r} is not an address of this machine; a daemon "
-                        "without a token answers only to localhost and IP addresses (a guard against DNS "
-                        "rebinding by web pages): use one of those, or set a token")
+                return (f"{name.decode().capitalize()} {value!r} is neither an IP address, localhost nor the "
+                        "host capd listens on, and a daemon without a token answers only to those (a guard against "
+                        "DNS rebinding by web pages): use one of them, or set a token")
         return None
