@@ -48,7 +48,7 @@ from capd.errors import TapFileError
 from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
 from capd.fixtures import Fixture
 from capd.router import Router
-from capd.taps import GATE_KEYS, SWITCH
+from capd.taps import GATE_KEYS, SWITCH, tap_config
 from capd.text import strip_tags
 from capd.toml_edit import KeyPath, render_key
 
@@ -321,10 +321,25 @@ def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd"
                                  "gates as [gates] and [gates.fused] tables with one `key = value` line per gate, "
                                  "then calibrate again")
     try:
+        tap_config(path, reread, new)
+    except TapFileError as exc:  # a mistake elsewhere in the file: written, it would still not load
+        raise TapFileError(path, f"with the new gates it would still not load: {exc.reason}; fix that, then calibrate "
+                                 "again (nothing was changed)", _line_now(path, old, text, exc.reason)) from None
+    try:
         atomic.write_text(path, new)
     except OSError as exc:
         raise TapFileError(path, f"cannot write it: {exc.strerror or exc}; nothing was changed") from None
     return tap / "capd.toml"
+
+
+def _line_now(path: Path, table: dict[str, Any], text: str, reason: str) -> int | None:
+    """The line of the file as it stands that fails with ``reason`` (the edited text's lines have
+    moved), or None when the file as it stands does not fail that way."""
+    try:
+        tap_config(path, table, text)
+    except TapFileError as exc:
+        return exc.line if exc.reason == reason else None
+    return None
 
 
 def _writable_config(tap: Path) -> Path:

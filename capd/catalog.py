@@ -19,6 +19,15 @@ Severity = Literal["error", "warning", "info"]
 CapabilityKind = Literal["mcp", "toolchain", "routing-only"]
 
 
+def printable(text: str) -> str:
+    r"""``text`` as valid Unicode: the bytes of a file name that is not UTF-8, which Python keeps as
+    lone surrogates, become ``\xNN`` escapes (any other lone surrogate a ``\uNNNN`` one)."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 @dataclass(frozen=True)
 class Problem:
     """One finding about a tap: a load error that skipped something, or a lint note."""
@@ -31,13 +40,15 @@ class Problem:
     code: str = "invalid"
 
     def as_dict(self) -> dict[str, object]:
+        r"""For JSON: a path byte that is not UTF-8 (a folder named ``bad\xffname``) is written as
+        ``\xff``, since JSON text cannot hold the lone surrogate Python keeps it as."""
         return {
             "severity": self.severity,
             "code": self.code,
-            "file": self.file,
+            "file": printable(self.file),
             "line": self.line,
-            "capability": self.capability,
-            "reason": self.reason,
+            "capability": None if self.capability is None else printable(self.capability),
+            "reason": printable(self.reason),
         }
 
     def __str__(self) -> str:

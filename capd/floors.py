@@ -25,6 +25,7 @@ A tap with fixtures but no floors file is checked against nothing and reported a
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,7 +119,7 @@ def load_floors(tap: Path, rule: str | None = None) -> Floors:
     laid over it when the file has that table. Raises FixtureError (file and line) for a file it
     cannot use, whichever rule's table the mistake is in."""
     path = tap / "fixtures" / FLOORS_FILE
-    if not path.exists():
+    if not os.path.lexists(path):  # a link to nothing is a mistake to report, not a tap without floors
         return Floors(path=None)
     try:
         table, text, _ = parse_toml(path, tap)

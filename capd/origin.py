@@ -35,6 +35,14 @@ def _hostname(authority: str) -> str:
     return authority.rstrip(":")
 
 
+def _origin_host(origin: str) -> str:
+    """The host an ``Origin`` names, or "" (refused) when it cannot be parsed (``http://[::1``)."""
+    try:
+        return _hostname(urlsplit(origin).netloc)
+    except ValueError:
+        return ""
+
+
 class LocalAddresses:
     """The host names a token-less daemon answers to (:func:`refusal` explains a refusal)."""
 
@@ -60,7 +68,7 @@ class LocalAddresses:
             if name == b"host":
                 host = _hostname(value)
             else:
-                host = "" if value.strip() == "null" else _hostname(urlsplit(value.strip()).netloc)
+                host = "" if value.strip() == "null" else _origin_host(value.strip())
             if not self.allows(host):
                 return (f"{name.decode().capitalize()} {value!r} is neither an IP address, localhost nor the "
                         "host capd listens on, and a daemon without a token answers only to those (a guard against "

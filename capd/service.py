@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 from capd.batching import MicroBatcher
 from capd.calibrate import Point
-from capd.catalog import Capability, Catalog, Problem
+from capd.catalog import Capability, Catalog, Problem, printable
 from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import ModelError, StateError, Stopping, UnknownCapability
 from capd.fits import RuleFits, fitting_threads
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 def _shown(problems: Iterable[Problem]) -> list[dict[str, Any]]:
     """Problems as health's ``errors`` shows them."""
-    return [{"file": p.file, "line": p.line, "reason": p.reason} for p in problems]
+    return [{"file": printable(p.file), "line": p.line, "reason": printable(p.reason)} for p in problems]
 
 
 OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
@@ -667,10 +667,11 @@ class Service:
         store = self.registry.store if self.registry is not None else None
         reason = self.state_error or (store.last_error if store is not None else None)
         if store is not None and reason is not None:
-            errors.append({"file": str(store.path), "line": None, "reason": reason.removeprefix(f"{store.path}: ")})
+            errors.append({"file": printable(str(store.path)), "line": None,
+                           "reason": printable(reason.removeprefix(f"{store.path}: "))})
         if self.learned is not None and self.learned.error is not None:
-            errors.append({"file": str(self.learned.path), "line": None,
-                           "reason": self.learned.error.removeprefix(f"{self.learned.path}: ")})
+            errors.append({"file": printable(str(self.learned.path)), "line": None,
+                           "reason": printable(self.learned.error.removeprefix(f"{self.learned.path}: "))})
         return errors
 
     def health(self) -> dict[str, Any]:

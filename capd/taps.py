@@ -22,6 +22,7 @@ Decisions where octomind is silent:
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import logging
 import math
@@ -44,6 +45,7 @@ MAX_FILE_BYTES = 1 << 20
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 TAP_CONFIG = "capd.toml"
 GATE_KEYS = ("threshold", "margin", "top_k")
+TAP_CONFIG_KEYS = ("model", "gates")  # what capd reads at the top level of a tap's capd.toml
 SWITCH = "abstain_corpus"  # a gate table's on/off key: veto with the shipped abstain corpus (capd/router.py)
 _TOML_POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
 _HEADER = re.compile(r"^#\s*(Title|Description)\s*:\s*(.*?)\s*$")
@@ -175,7 +177,19 @@ class _Checker:
         self.text = text
 
     def fail(self, key: str, reason: str) -> TapFileError:
-        return TapFileError(self.path, f"{key} {reason}", _line_of(self.text, key.split(".")[-1]))
+        return TapFileError(self.path, f"{key} {reason}", self._line(key))
+
+    def _line(self, key: str) -> int | None:
+        """The line of a dotted ``key``: within its table's lines when the table has a header
+        (``threshold`` in [gates] and in [gates.fused] are two lines), else its first mention."""
+        table, _, name = key.rpartition(".")
+        header = re.compile(rf"^[ \t]*\[\s*{re.escape(table)}\s*\]", re.M).search(self.text) if table else None
+        if header is not None:
+            following = re.compile(r"^[ \t]*\[", re.M).search(self.text, header.end())
+            within = _line_of(self.text, name, header.start(), following.start() if following else None)
+            if within is not None:
+                return within
+        return _line_of(self.text, name)
 
     def table(self, parent: Mapping[str, Any], key: str, label: str | None = None) -> Mapping[str, Any]:
         value = parent.get(key, {})
@@ -370,17 +384,28 @@ def load_tap_config(tap: Path) -> tuple[TapConfig | None, list[Problem]]:
         return None, []
     try:
         table, text, _ = parse_toml(path, tap)
-        check = _Checker(path, text)
-        gates_raw = dict(check.table(table, "gates"))
-        fused_raw = check.table(gates_raw, "fused") if "fused" in gates_raw else {}
-        gates_raw.pop("fused", None)
-        gates = _gate_values(check, "gates", gates_raw, GATE_KEYS)
-        fused_gates = _gate_values(check, "gates.fused", fused_raw, ("threshold", "margin", "coverage"))
-        model = check.optional_str(table, "model")
+        return tap_config(path, table, text), []
     except TapFileError as exc:
         return None, [Problem("error", str(exc.path), exc.reason, exc.line, code="invalid")]
-    return TapConfig(path=path, gates=MappingProxyType(gates), model=model,
-                     fused_gates=MappingProxyType(fused_gates)), []
+
+
+def tap_config(path: Path, table: Mapping[str, Any], text: str) -> TapConfig:
+    """A parsed ``capd.toml`` checked (``text`` for the lines of errors); raises TapFileError."""
+    check = _Checker(path, text)
+    for key in table:  # other keys are the author's own (notes, owners): kept and not read
+        if key in TAP_CONFIG_KEYS:
+            continue
+        if key in (*GATE_KEYS, "coverage", SWITCH, "fused"):  # a gate above [gates] would be ignored
+            raise check.fail(key, "is a gate: it goes in [gates] (rules capd, anchor) or [gates.fused]")
+        if near := difflib.get_close_matches(key, TAP_CONFIG_KEYS, n=1, cutoff=0.75):
+            raise check.fail(key, f"is not read by capd: did you mean {near[0]}?")
+    gates_raw = dict(check.table(table, "gates"))
+    fused_raw = check.table(gates_raw, "fused") if "fused" in gates_raw else {}
+    gates_raw.pop("fused", None)
+    gates = _gate_values(check, "gates", gates_raw, GATE_KEYS)
+    fused_gates = _gate_values(check, "gates.fused", fused_raw, ("threshold", "margin", "coverage"))
+    model = check.optional_str(table, "model")
+    return TapConfig(path=path, gates=MappingProxyType(gates), model=model, fused_gates=MappingProxyType(fused_gates))
 
 
 def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any],
@@ -401,6 +426,10 @@ def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any],
             raise check.fail(f"{where}.{key}", f"must be a whole number of at least 1 (got {value})")
         elif key == "coverage" and not 0.0 <= value <= 1.0:  # a mean of cosines; above 1 nothing would fire
             raise check.fail(f"{where}.{key}", "must be between 0 and 1 (0 turns the coverage gate off)")
+        elif key == "threshold" and not -1.0 <= value <= 1.0:  # as CAPD_THRESHOLD: a cosine or a level
+            raise check.fail(f"{where}.{key}", f"must be between -1 and 1 (got {value})")
+        elif key == "margin" and not 0.0 <= value <= 100.0:  # as CAPD_MARGIN: a cosine or a log-odds gap
+            raise check.fail(f"{where}.{key}", f"must be between 0 and 100 (got {value})")
         else:
             gates[key] = float(value)
     return gates

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -182,6 +183,8 @@ def test_a_non_finite_number_in_a_server_spec_is_null_not_a_500(settings_factory
     ({"Host": "localhost.attacker.example"}, False),
     ({"Host": "127.0.0.1:7171", "Origin": "https://attacker.example"}, False),
     ({"Host": "127.0.0.1:7171", "Origin": "null"}, False),
+    ({"Host": "127.0.0.1:7171", "Origin": "http://[::1"}, False),  # unparseable: was a plain-text 500
+    ({"Host": "127.0.0.1:7171", "Origin": "http://]"}, False),
 ])
 def test_a_daemon_without_a_token_answers_only_to_this_machine(settings_factory: SettingsFactory, tmp_path: Path,
                                                                headers: dict[str, str], allowed: bool) -> None:
@@ -222,3 +225,20 @@ def test_a_reload_cut_short_by_shutdown_is_503_stopping(settings_factory: Settin
         app.state.service.close()  # what the daemon's shutdown does while a request is still in flight
         response = client.post("/v1/reload")
         assert (response.status_code, response.json()["error"]) == (503, "stopping"), response.text
+
+
+def test_a_file_name_that_is_not_utf8_is_reported_not_a_500(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """A tap folder whose name is not UTF-8 (a byte such as 0xff, kept by Python as a lone
+    surrogate) made health and reload answer 500 for as long as it was there: its problem's file
+    could not be written as JSON. It is reported with the byte escaped."""
+    tap = docker_and_postgres(tmp_path / "tap")
+    folder = os.fsdecode(bytes(tap / "capabilities") + b"/bad\xffname")
+    os.mkdir(folder)
+    Path(folder, "config.toml").write_text('description = "no triggers here"\ntriggers = "one"\n')
+    settings = settings_factory(taps=(tap,))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        for response in (client.get("/v1/health"), client.post("/v1/reload")):
+            assert response.status_code == 200, response.text
+            files = [e["file"] for e in response.json()["errors"]]
+            assert any("bad\\xffname" in f for f in files), files
+        assert client.post("/v1/route", json={"message": "list the running containers"}).status_code == 200

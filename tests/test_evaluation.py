@@ -421,6 +421,16 @@ def test_floors_errors_name_their_line(tmp_path: Path) -> None:
                 load_floors(tmp_path, rule)
 
 
+@pytest.mark.parametrize("target", ["nowhere.toml", "floors.toml"])
+def test_a_floors_link_to_nothing_is_an_error_not_a_tap_without_floors(tmp_path: Path, target: str) -> None:
+    """A dangling (or looping) ``floors.toml`` link passed as "no floors: nothing to hold the tap
+    to", so a tap's CI went green with nothing checked."""
+    (tmp_path / "fixtures").mkdir()
+    (tmp_path / "fixtures" / "floors.toml").symlink_to(target)
+    with pytest.raises(FixtureError, match=r"floors.toml: "):
+        load_floors(tmp_path)
+
+
 def test_a_rules_own_floors_replace_the_ones_they_name(tmp_path: Path) -> None:
     (tmp_path / "fixtures").mkdir()
     (tmp_path / "fixtures" / "floors.toml").write_text(

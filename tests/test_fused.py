@@ -588,6 +588,11 @@ def test_write_gates_drops_a_stale_dotted_table_whole(tmp_path: Path, before: st
     ("[[gates]]\nthreshold = 0.5\n", "capd", "line 1: [[gates]] is an array of tables"),
     ("[gates]\nthreshold = [\n  0.5,\n]\n", "capd", "line 2: gates.threshold runs over several lines"),
     ("[gates.threshold]\nvalue = 0.5\n", "capd", "cannot update it in place without changing what else it says"),
+    # the edit would succeed, but the file would still not load: "wrote" while routing ignored it
+    ('[gates]\nthreshold = 0.3\nextra = "mine"\n', "capd",
+     "line 3: with the new gates it would still not load: gates.extra is not a gate"),
+    ("[gates]\nthreshold = 0.3\n[gates.fused]\nthreshold = 5\n", "capd",
+     "line 4: with the new gates it would still not load: gates.fused.threshold must be between -1 and 1"),
 ])
 def test_write_gates_leaves_a_file_it_cannot_edit_alone(tmp_path: Path, text: str, rule: str, reason: str) -> None:
     tap = _tap_file(tmp_path, text)

@@ -251,6 +251,10 @@ def test_tap_gates_file(tmp_path: Path) -> None:
     ("threshold = nan", "gates.threshold must be a finite number (got nan)"),
     ("margin = inf", "gates.margin must be a finite number (got inf)"),
     ("[gates.fused]\nthreshold = -inf", "gates.fused.threshold must be a finite number (got -inf)"),
+    # out of range: the tap would never fire (threshold 5) or always pass the margin; as CAPD_* refuses them
+    ("threshold = 5", "gates.threshold must be between -1 and 1 (got 5)"),
+    ("margin = -2", "gates.margin must be between 0 and 100 (got -2)"),
+    ("[gates.fused]\nthreshold = 1e300", "gates.fused.threshold must be between -1 and 1 (got 1e+300)"),
 ])
 def test_gates_that_would_break_routing_are_errors_on_their_line(tmp_path: Path, text: str, reason: str) -> None:
     tap = octomind_tap(tmp_path)
@@ -259,6 +263,24 @@ def test_gates_that_would_break_routing_are_errors_on_their_line(tmp_path: Path,
     (problem,) = catalog.errors
     assert (problem.file, problem.line, problem.reason) == (str(tap / "capd.toml"), text.count("\n") + 3, reason)
     assert tap.absolute() not in catalog.tap_configs and "smalltalk" in catalog  # the model's gates serve
+
+
+@pytest.mark.parametrize(("text", "line", "reason"), [
+    ("threshold = 0.9\n[gates]\nmargin = 0.1\n", 1,
+     "threshold is a gate: it goes in [gates] (rules capd, anchor) or [gates.fused]"),
+    ("[fused]\nthreshold = 0.9\n", 1, "fused is a gate: it goes in [gates] (rules capd, anchor) or [gates.fused]"),
+    ("[gate]\nthreshold = 0.9\n", 1, "gate is not read by capd: did you mean gates?"),
+    ('owner = "me"\nmodl = "all-minilm-l6-v2"\n', 2, "modl is not read by capd: did you mean model?"),
+])
+def test_a_gate_capd_would_not_read_is_an_error(tmp_path: Path, text: str, line: int, reason: str) -> None:
+    """A gate written above [gates], or a misspelt table, was ignored without a word; a key of the
+    author's own (``owner``) is kept and not read."""
+    tap = octomind_tap(tmp_path)
+    (tap / "capd.toml").write_text(text)
+    (problem,) = load_catalog([tap]).errors
+    assert (problem.line, problem.reason) == (line, reason)
+    (tap / "capd.toml").write_text('owner = "me"\n[meta]\nnote = "calibrated on the May fixtures"\n')
+    assert load_catalog([tap]).errors == ()
 
 
 @pytest.mark.parametrize("target", ["calibration/capd.toml", "capd.toml"], ids=["dangling", "loop"])

@@ -26,6 +26,8 @@ MODEL = "all-minilm-l6-v2"
 POINTS = {"capd": {"threshold": 0.47, "margin": 0.05, "top_k": 2},
           "fused": {"threshold": -0.3, "margin": 1.8, "coverage": 0.4}}
 GATE_WORDS = ("threshold", "margin", "top_k", "coverage", "abstain_corpus", "model")
+GATE_VALUES = {"threshold": ["0.5", "-0.2", "1.0"], "margin": ["0.5", "3", "1.0"], "top_k": ["3", "1"],
+               "coverage": ["0.5", "1.0", "0"]}  # values capd loads: write_gates refuses a file that would not load
 
 _chars = st.characters(blacklist_categories=("Cs", "Cc"))  # control characters need escapes: basic strings only
 _plain = st.text(_chars, max_size=12)
@@ -82,7 +84,7 @@ def other_lines(draw: st.DrawFn) -> list[str]:
 @st.composite
 def gate_table(draw: st.DrawFn, header: str, keys: tuple[str, ...]) -> list[str]:
     chosen = draw(st.lists(st.sampled_from(keys), unique=True, max_size=len(keys)))
-    lines = [f"{key} = {draw(st.sampled_from(['0.5', '-0.2', '3', '1.0']))}" for key in chosen]
+    lines = [f"{key} = {draw(st.sampled_from(GATE_VALUES[key]))}" for key in chosen]
     lines = [line + (f"  {draw(COMMENT)}" if draw(st.booleans()) else "") for line in lines]
     lines += draw(st.lists(COMMENT, max_size=2))
     return [header, *draw(st.permutations(lines))]
