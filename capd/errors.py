@@ -38,11 +38,13 @@ class CapdError(Exception):
 class ConfigError(CapdError):
     """A setting is invalid; the message names its source, key and reason."""
 
-    def __init__(self, source: str, key: str | None, reason: str) -> None:
+    def __init__(self, source: str, key: str | None, reason: str, line: int | None = None) -> None:
         self.source = source
         self.key = key
         self.reason = reason
-        where = f"{source}: {key}" if key else source
+        self.line = line  # in a config file, when known
+        where = source if line is None else f"{source}: line {line}"
+        where = f"{where}: {key}" if key else where
         super().__init__(f"{where}: {reason}")
 
 

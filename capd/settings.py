@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import logging
 import os
-import tomllib
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +20,9 @@ from typing import Any
 
 import platformdirs
 
-from capd import toml_read
-from capd.errors import ConfigError
+from capd.errors import ConfigError, TapFileError
 from capd.learned import MAX_PER_CAPABILITY
+from capd.taps import _line_of, parse_toml_bytes
 
 log = logging.getLogger(__name__)
 
@@ -318,41 +318,46 @@ def check_setting(key: str, value: object) -> object:
     return _CONVERTERS[key](value)
 
 
-def _convert(source: str, key: str, value: object) -> object:
+def _convert(source: str, key: str, value: object, line: int | None = None) -> object:
     try:
         return _CONVERTERS[key](value)
     except (ValueError, TypeError) as exc:
         got = "" if key in _SECRETS or value == "" else f" (got {value!r})"
-        raise ConfigError(source, key, f"{exc}{got}") from None
+        raise ConfigError(source, key, f"{exc}{got}", line) from None
 
 
 def read_config_file(path: Path) -> dict[str, object]:
-    """Read a config file's settings; unknown keys and bad values are errors naming the key."""
+    """Read a config file's settings; unknown keys and bad values are errors naming the key and
+    its line. Read as tap files are: a leading BOM is fine, and a pipe is refused, not waited on."""
     try:
-        raw = toml_read.loads(path.read_text(encoding="utf-8"))
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise ConfigError(str(path), None, "is not a regular file (a pipe, socket, device or folder)")
+        raw, text, _ = parse_toml_bytes(path, path.read_bytes())
     except FileNotFoundError:
         raise ConfigError(str(path), None, "config file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(str(path), None, f"cannot read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(str(path), None, f"invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(str(path), None, f"cannot read: {exc.strerror or exc}") from None
+    except TapFileError as exc:  # not UTF-8, invalid TOML: with the line
+        raise ConfigError(str(path), None, exc.reason, exc.line) from None
     table = raw.get("capd", raw)
     if not isinstance(table, dict):
-        raise ConfigError(str(path), "capd", "must be a table")
+        raise ConfigError(str(path), "capd", "must be a table", _line_of(text, "capd"))
     stray = [key for key in raw if key != "capd"] if table is not raw else []
     if stray:
         raise ConfigError(str(path), None, f"{', '.join(stray)}: outside the [capd] table, where they would be "
-                                           "ignored; move them under [capd] (or drop the [capd] header)")
+                                           "ignored; move them under [capd] (or drop the [capd] header)",
+                          _line_of(text, stray[0]))
     out: dict[str, object] = {}
     for key, value in table.items():
+        line = _line_of(text, key)
         if key not in _CONVERTERS:
             known = ", ".join(sorted(_CONVERTERS))
-            raise ConfigError(str(path), key, f"unknown setting (known: {known})")
+            raise ConfigError(str(path), key, f"unknown setting (known: {known})", line)
         if key in ("taps", "data_dir", "models_dir", "uds") or (
                 key == "model" and isinstance(value, str) and names_a_path(value.strip())):
             # Relative paths in a config file are relative to the file, not the cwd.
             value = _resolve_relative(path.parent, value.strip() if key == "model" else value)
-        out[key] = _convert(str(path), key, value)
+        out[key] = _convert(str(path), key, value, line)
     return out
 
 

@@ -129,10 +129,12 @@ def _read(path: Path, real_root: Path, target: Path) -> bytes:
 
 def parse_toml(path: Path, root: Path) -> tuple[dict[str, Any], str, bytes]:
     """Parse a tap TOML file; returns (table, text, raw bytes). Errors carry the line."""
-    return _parse(path, read_tap_file(path, root))
+    return parse_toml_bytes(path, read_tap_file(path, root))
 
 
-def _parse(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
+def parse_toml_bytes(path: Path, data: bytes) -> tuple[dict[str, Any], str, bytes]:
+    """``data`` (read from ``path``) parsed as TOML, a leading BOM allowed; (table, text, data).
+    Raises TapFileError with the line of a byte that is not UTF-8 or of the TOML error."""
     try:
         text = data.decode("utf-8-sig")  # a leading byte order mark, as octomind's TOML reader accepts
     except UnicodeDecodeError as exc:
@@ -257,7 +259,7 @@ def _server(check: _Checker, index: int, table: object) -> ServerSpec:
 
 
 def _load_provider(path: Path, folder: _Folder, name: str | None = None) -> Provider:
-    table, text, data = _parse(path, folder.read(path))
+    table, text, data = parse_toml_bytes(path, folder.read(path))
     check = _Checker(path, text)
     deps = check.table(table, "deps")
     roles = check.table(table, "roles")
@@ -282,7 +284,7 @@ def _load_provider(path: Path, folder: _Folder, name: str | None = None) -> Prov
 
 
 def _load_config(path: Path, folder: _Folder) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
-    table, text, _ = _parse(path, folder.read(path))
+    table, text, _ = parse_toml_bytes(path, folder.read(path))
     check = _Checker(path, text)
     triggers = check.strings(table, "triggers")
     for trigger in triggers:

@@ -44,27 +44,45 @@ def test_taps_env_uses_pathsep(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "key", "reason"),
+    ("text", "key", "line", "reason"),
     [
-        ("port = 'many'\n", "port", "must be an integer"),
-        ("colour = 1\n", "colour", "unknown setting"),
-        ("backend = 'gpu'\n", "backend", "must be one of"),
-        ("watch = 'inotify'\n", "watch", "must be one of"),
-        ("threshold = 3\n", "threshold", "between -1 and 1"),
-        ("coverage = -0.2\n", "coverage", "between 0 and 1"),
-        ("port = [\n", None, "invalid TOML"),
-        ("port = " + "[" * 3000 + "]" * 3000 + "\n", None, "nested too deeply"),
+        ("port = 'many'\n", "port", 3, "must be an integer"),
+        ("colour = 1\n", "colour", 3, "unknown setting"),
+        ("backend = 'gpu'\n", "backend", 3, "must be one of"),
+        ("watch = 'inotify'\n", "watch", 3, "must be one of"),
+        ("threshold = 3\n", "threshold", 3, "between -1 and 1"),
+        ("coverage = -0.2\n", "coverage", 3, "between 0 and 1"),
+        ("port = [\n", None, 3, "invalid TOML"),
+        ("port = " + "[" * 3000 + "]" * 3000 + "\n", None, 3, "nested too deeply"),
+        ("[capd]\nport = 'many'\n", "port", 4, "must be an integer"),
+        ("[capd]\nport = 7171\n[other]\nx = 1\n", None, 5, "outside the [capd] table"),
     ],
 )
-def test_bad_config_names_file_key_reason(tmp_path: Path, text: str, key: str | None, reason: str) -> None:
+def test_bad_config_names_file_line_key_reason(tmp_path: Path, text: str, key: str | None, line: int,
+                                               reason: str) -> None:
     config = tmp_path / "config.toml"
-    config.write_text(text)
+    config.write_text("# my settings\n\n" + text)  # every mistake names its line, after these two
     with pytest.raises(ConfigError) as info:
         load_settings(env={}, config=config)
     message = str(info.value)
-    assert str(config) in message and reason in message
+    assert message.startswith(f"{config}: line {line}: ") and reason in message, message
     if key:
         assert info.value.key == key
+
+
+def test_a_config_file_is_read_as_tap_files_are(tmp_path: Path) -> None:
+    """A byte order mark is fine; a byte that is not UTF-8 names its line; a pipe is refused at once
+    (reading one waited forever)."""
+    config = tmp_path / "config.toml"
+    config.write_bytes("\ufeffport = 7300\n".encode())
+    assert load_settings(env={}, config=config).port == 7300
+    config.write_bytes(b"port = 7300\ncolour = '\xff'\n")
+    with pytest.raises(ConfigError, match=r"line 2: not UTF-8 text \(byte 0xff\)"):
+        load_settings(env={}, config=config)
+    fifo = tmp_path / "pipe.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_settings(env={}, config=fifo)
 
 
 def test_coverage_gate_from_the_environment() -> None:
@@ -183,7 +201,7 @@ def test_keys_beside_a_capd_table_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(env={}, config=config)
     message = str(info.value)
-    assert message.startswith(f"{config}: max_activ, port: outside the [capd] table")
+    assert message.startswith(f"{config}: line 1: max_activ, port: outside the [capd] table")
     only_table = tmp_path / "table.toml"
     only_table.write_text('[capd]\nport = 7360\n')
     assert load_settings(env={}, config=only_table).port == 7360
