@@ -62,6 +62,7 @@ from capd.schemas import (
     HealthOut,
     NameBody,
     PlanOut,
+    ReloadBody,
     ReloadOut,
     RouteBody,
     RouteOut,
@@ -516,8 +517,8 @@ def _install_routes(app: FastAPI) -> None:
         return {"bumped": bumped}
 
     @app.post("/v1/reload", response_model=None, responses=responses_for(ReloadOut))
-    def reload(request: Request) -> dict[str, Any]:
-        return _ready(request).reload()
+    def reload(request: Request, body: ReloadBody | None = None) -> dict[str, Any]:
+        return _ready(request).reload()  # a body is only checked: a field it does not know is a 422
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=TEXT_ERRORS)
     def metrics(request: Request) -> str:

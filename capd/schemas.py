@@ -55,6 +55,10 @@ class RouteBody(_In):
     message: str = Field(..., description="The user's message (tags are stripped before routing).")
 
 
+class ReloadBody(_In):
+    """``POST /v1/reload`` takes no fields: no body, or ``{}``."""
+
+
 class DiscoverBody(_In):
     intent: str = Field(..., description="What the user wants to do.")
     limit: JsonInt = Field(5, ge=1, le=100)

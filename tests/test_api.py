@@ -335,13 +335,15 @@ def test_a_field_the_api_does_not_know_is_422_naming_it(api: TestClient) -> None
     for path, body in [("/v1/route", {"sesion": "a", "message": "please run a query on the postgres database"}),
                        ("/v1/discover", {"intent": "postgres", "limits": 3}),
                        ("/v1/sessions/a/capability", {"action": "list", "extra": 1}),
-                       ("/v1/sessions/a/enable", {"name": "database-postgres", "session": "a"})]:
+                       ("/v1/sessions/a/enable", {"name": "database-postgres", "session": "a"}),
+                       ("/v1/reload", {"tap": "taps/core"})]:  # it takes no fields: no body, or {}
         response = api.post(path, json=body)
         assert response.status_code == 422, (path, response.text)
         assert response.json()["error"] == "invalid_request"
         unknown = (set(body) - {"message", "intent", "action", "name"}).pop()
         assert unknown in response.json()["detail"], response.text
     assert api.get("/v1/sessions/a").status_code == 404  # nothing was done
+    assert api.post("/v1/reload", json={}).status_code == 200
 
 
 def test_chunked_body_over_the_limit_is_413(api: TestClient) -> None:

@@ -320,6 +320,18 @@ def test_eval_gate_flags_follow_the_settings_rules(tmp_path: Path, flag: str, va
     assert f"Invalid value for '{flag}': must be between" in result.output
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--max-null-fpr", "-1"), ("--max-wrong", "nan"),
+                                             ("--max-wrong", "1.5")])
+def test_calibrate_limits_are_shares(tmp_path: Path, flag: str, value: str) -> None:
+    """They were taken as given and ended in "no gate setting meets the limits"."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "")
+    result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures",
+                                       str(tap / "fixtures" / "routing.jsonl"), "--model", "hash", "--data-dir",
+                                       str(tmp_path / "d"), flag, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}': must be between 0 and 1" in result.output
+
+
 def test_shipped_tap_meets_its_floors(model_settings: Settings) -> None:
     taps = default_taps()
     result = CliRunner().invoke(main, ["test", *map(str, taps), "--data-dir", str(model_settings.data_dir),

@@ -136,6 +136,13 @@ class _Text(click.ParamType[str]):
 TEXT = _Text()
 
 
+def share(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A click callback for a rate limit (``--max-null-fpr``): between 0 and 1 (NaN is not)."""
+    if not 0.0 <= value <= 1.0:
+        raise click.BadParameter(f"must be between 0 and 1 (got {value})", ctx, param)
+    return value
+
+
 def setting_rule(key: str, then: Callable[[Any], Any] | None = None,
                  ) -> Callable[[click.Context, click.Parameter, Any], Any]:
     """A click callback that checks a flag overriding setting ``key`` by that setting's rule (and

@@ -20,6 +20,7 @@ from capd.cli.common import (
     plan_lines,
     setting_rule,
     settings_options,
+    share,
     tap_only,
     tuning_not_done,
     write_file,
@@ -258,8 +259,8 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
 
 @click.command()
 @_eval_options
-@click.option("--max-null-fpr", default=0.05, show_default=True, help="Highest null_fpr allowed.")
-@click.option("--max-wrong", default=0.03, show_default=True, help="Highest fired_wrong allowed.")
+@click.option("--max-null-fpr", default=0.05, show_default=True, callback=share, help="Highest null_fpr allowed.")
+@click.option("--max-wrong", default=0.03, show_default=True, callback=share, help="Highest fired_wrong allowed.")
 @click.option("--write", is_flag=True, help="Store the recommended gates in <tap>/capd.toml.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
