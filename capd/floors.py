@@ -51,8 +51,8 @@ class Floors:
 
 
 def _key_line(text: str, section: str, key: str) -> int | None:
-    """The line of ``key = …`` inside the ``[section]`` table, else of ``[section.key]``, else of the
-    section's header (best effort, for error messages)."""
+    """The line of ``key = …`` inside the ``[section]`` table, else of ``[section.key]`` (or of a table
+    under it, ``[section.key.kinds]``), else of the section's header (best effort, for error messages)."""
     header = re.compile(rf"^[ \t]*\[\s*{re.escape(section)}\s*\]", re.M).search(text)
     if header is not None:
         following = re.compile(r"^[ \t]*\[", re.M).search(text, header.end())
@@ -60,7 +60,7 @@ def _key_line(text: str, section: str, key: str) -> int | None:
         entry = re.compile(rf"^[ \t]*[\"']?{re.escape(key)}[\"']?\s*=", re.M).search(text, header.end(), body_end)
         if entry is not None:
             return text.count("\n", 0, entry.start()) + 1
-    table = re.compile(rf"^[ \t]*\[\s*{re.escape(section)}\.{re.escape(key)}\s*\]", re.M).search(text)
+    table = re.compile(rf"^[ \t]*\[\s*{re.escape(section)}\.{re.escape(key)}\s*[.\]]", re.M).search(text)
     if table is not None:
         return text.count("\n", 0, table.start()) + 1
     return None if header is None else text.count("\n", 0, header.start()) + 1

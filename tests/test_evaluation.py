@@ -426,7 +426,10 @@ def test_floors_errors_name_their_line(tmp_path: Path) -> None:
                                ("[floors.fsued]\nmin_top1 = 0.9\n", 1,
                                 "floors.fsued: unknown floor (known: min_top1, min_fired_right, max_fired_wrong, "
                                 "max_null_fpr, kinds; or a rule's own table: capd, anchor, fused)"),
-                               ("[floors.fused.anchor]\nmin_top1 = 0.9\n", 1, "floors.fused.anchor: unknown floor")]:
+                               ("[floors.fused.anchor]\nmin_top1 = 0.9\n", 1, "floors.fused.anchor: unknown floor"),
+                               # a misspelt rule's kinds, below [floors]: its own line, not [floors]'s
+                               ("[floors]\nmin_top1 = 0.8\n\n[floors.fussed.kinds]\nchitchat = 1.0\n", 4,
+                                "floors.fussed: unknown floor")]:
         floors.write_text(text)
         for rule in (None, "capd", "fused"):
             with pytest.raises(FixtureError, match=rf"floors.toml: line {line}: {re.escape(reason)}"):
@@ -646,3 +649,12 @@ def test_split_keeps_a_message_and_its_tagged_copies_on_one_side() -> None:
     sides = {i: i in set(held_out.tolist()) for i in range(3)}
     assert sides[0] == sides[1]
     assert sides[2] == held(other)  # a row with no tagged copy keeps the side of its own message
+
+
+@pytest.mark.parametrize("text", ["", "# floors to come\n", "[floors]\n"])
+def test_a_floors_file_that_sets_nothing_says_so(tmp_path: Path, text: str) -> None:
+    """It printed "floors from [floors]" and no check, as if the tap had been held to something."""
+    tap = _tap_with_fixtures(tmp_path / "tap", text)
+    result = CliRunner().invoke(main, ["test", str(tap), *_hash(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert f"{tap / 'fixtures' / 'floors.toml'} sets no floors: nothing to hold the tap to" in result.output

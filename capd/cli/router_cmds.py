@@ -242,6 +242,8 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
                                                                report["metrics"].items()))
             if report["floors"] is None:
                 click.echo("  no fixtures/floors.toml: nothing to hold the tap to")
+            elif not report["checks"]:
+                click.echo(f"  {report['floors']} sets no floors: nothing to hold the tap to")
             else:
                 click.echo(f"  rule {report['rule']}, floors from [{report['floors_table']}]"
                            + (" over [floors]" if report["floors_table"] != "floors" else ""))
