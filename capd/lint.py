@@ -6,6 +6,7 @@ but probably not as meant), ``info`` (worth knowing). Checks:
 - load errors: unreadable / binary / oversized files, invalid TOML, schema errors,
   dangling or escaping symlinks (``default.toml`` pointing nowhere);
 - ``server_refs`` naming a server no ``[[mcp.servers]]`` defines (error);
+- two ``[[mcp.servers]]`` of one name in a provider (error: plans and teardown know servers by name);
 - ``allowed_tools`` scoped to a server the capability does not use (warning);
 - no triggers (warning: never auto-routed, can still be enabled by name);
 - triggers shorter than ``MIN_TRIGGER_CHARS`` non-space characters (warning: the router
@@ -23,6 +24,8 @@ but probably not as meant), ``info`` (worth knowing). Checks:
 from __future__ import annotations
 
 import difflib
+import os
+import re
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
@@ -50,6 +53,12 @@ def _trigger_line(capability: Capability, trigger: str) -> int | None:
     return _line_of(text, "triggers")
 
 
+def _second_line(text: str, name: str) -> int | None:
+    """The line of the second ``name = "<name>"`` (the duplicate), else of the first ``name``."""
+    found = list(re.finditer(rf"^[ \t]*name\s*=\s*[\"']{re.escape(name)}[\"']", text, re.M))
+    return text.count("\n", 0, found[1].start()) + 1 if len(found) > 1 else _line_of(text, "name")
+
+
 def _check_provider(capability: Capability) -> Iterable[Problem]:
     provider = capability.provider
     if provider is None:
@@ -58,6 +67,11 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
         return
     defined = {s.name for s in provider.servers}
     text = provider.path.read_text(encoding="utf-8", errors="replace")
+    names = [s.name for s in provider.servers]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        yield Problem("error", str(provider.path), f"two [[mcp.servers]] entries are named {name!r}; plans, "
+                      "server_refs and refcounted teardown know a server by its name, so they would be taken for one",
+                      _second_line(text, name), capability.name, "duplicate-server")
     for ref in provider.server_refs:
         if ref not in defined:
             yield Problem("error", str(provider.path), f"server_refs names {ref!r}, but no [[mcp.servers]] entry "
@@ -73,8 +87,9 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
 
 def _check_triggers(capability: Capability) -> Iterable[Problem]:
     config = str(capability.path / "config.toml")
-    if not capability.triggers:
-        yield Problem("warning", config, "no triggers: never auto-activated (it can still be enabled by name)",
+    if not capability.triggers:  # named by its folder when it has no config.toml to point at
+        where = config if os.path.lexists(config) else str(capability.path)
+        yield Problem("warning", where, "no triggers: never auto-activated (it can still be enabled by name)",
                       capability=capability.name, code="no-triggers")
         return
     seen: set[str] = set()

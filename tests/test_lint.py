@@ -37,6 +37,23 @@ def test_warnings_only_exit_zero(tmp_path: Path) -> None:
     assert code == 0
     codes = {p["code"] for p in report["problems"]}  # type: ignore[union-attr]
     assert {"duplicate-trigger", "short-trigger", "no-triggers"} <= codes
+    (manual,) = [p for p in report["problems"] if p["code"] == "no-triggers"]  # type: ignore[union-attr,index]
+    assert manual["file"] == str(tap / "capabilities" / "manual-only")  # it has no config.toml to name
+
+
+def test_two_servers_of_one_name_are_an_error_on_the_second(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    second = POSTGRES_PROVIDER.split("[[mcp.servers]]")[1]
+    write_capability(tap, "twice", ["query the two postgres databases"],
+                     {"p": POSTGRES_PROVIDER + "\n[[mcp.servers]]" + second.replace("server-postgres@0.6.2", "x")},
+                     default="p")
+    code, report = _lint(str(tap))
+    assert code == 1
+    (found,) = [p for p in report["problems"] if p["code"] == "duplicate-server"]  # type: ignore[union-attr,index]
+    text = (tap / "capabilities" / "twice" / "p.toml").read_text()
+    lines = [n for n, line in enumerate(text.splitlines(), start=1) if line == 'name = "postgres"']
+    assert len(lines) == 2 and found["line"] == lines[1] and found["severity"] == "error"
+    assert "named 'postgres'" in found["reason"]
 
 
 def test_a_mistyped_key_is_named_and_other_tools_keys_are_not(tmp_path: Path) -> None:
