@@ -409,18 +409,19 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
     path = head_file(cache_dir, key) if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
+            rows: npt.NDArray[Any] | None = None
+            starts: npt.NDArray[Any] | None = None
             with np.load(path) as stored:
                 in_class = stored["in_class"]
                 if "weight" in stored:
                     weight, bias = stored["weight"], stored["bias"]
                 if "token_rows" in stored and len(stored["token_starts"]) == len(texts) + 1:
-                    tokens = ExampleTokens.from_rows(texts, labels, stored["token_rows"], stored["token_starts"],
-                                                     columns)
+                    rows, starts = stored["token_rows"], stored["token_starts"]
                 over_budget = "over_token_budget" in stored
-            # The small arrays only: the token rows are up to 40M numbers (~50 ms to check on every start).
-            if not all(np.isfinite(a).all() for a in (in_class, weight, bias) if a is not None):
-                raise ValueError("it holds NaN or inf (fitted on a damaged model's vectors)")
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # corrupt or truncated
+            _check_stored(in_class, weight, bias, rows, starts, columns, vectors.shape[1])
+            if rows is not None and starts is not None:
+                tokens = ExampleTokens.from_rows(texts, labels, rows, starts, columns)
+        except (OSError, ValueError, TypeError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # corrupt or truncated
             log.warning("ignoring unreadable fused head %s: %s", path, exc)
             in_class = None
             tokens = None
@@ -441,6 +442,33 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
     if path is not None and (stale or fresh_tokens):
         _store(path, in_class, weight, bias, tokens, over_budget)
     return FusedHead(tuple(names), in_class, weight, bias, Lexicon(documents), tokens, key=key)
+
+
+def _check_stored(in_class: npt.NDArray[Any], weight: npt.NDArray[Any] | None, bias: npt.NDArray[Any] | None,
+                  rows: npt.NDArray[Any] | None, starts: npt.NDArray[Any] | None, columns: int, dim: int) -> None:
+    """Raise ValueError unless a head file's arrays fit ``columns`` capabilities of a ``dim``-wide model:
+    a file that opens but holds other shapes, kinds or NaN (damaged, edited) failed every route, or
+    the start, where a truncated one is refitted."""
+    shapes = {"in_class": (in_class, (columns,)), "weight": (weight, (dim, columns)), "bias": (bias, (columns,))}
+    if rows is not None:
+        shapes["token_rows"] = (rows, (*rows.shape[:1], dim))
+    for name, (array, shape) in shapes.items():
+        if array is not None and (array.dtype.kind != "f" or array.shape != shape):
+            raise ValueError(f"its {name} is {array.dtype} {array.shape}, not float {shape}")
+    if not all(_finite(a) for a in (in_class, weight, bias, rows) if a is not None):
+        raise ValueError("it holds NaN or inf (fitted on a damaged model's vectors)")
+    if starts is not None and rows is not None and (
+            starts.dtype.kind not in "iu" or starts[0] != 0 or starts[-1] != len(rows) or np.any(np.diff(starts) <= 0)):
+        # every example has a token vector (ExampleTokens.build): an empty last one failed np.maximum.reduceat
+        raise ValueError("its token_starts do not rise from 0 to the number of token rows")
+
+
+def _finite(array: npt.NDArray[Any]) -> bool:
+    """No NaN or inf in ``array``. The token rows (float16, up to 40M numbers) by their exponent bits:
+    isfinite took ~60 ms on every start, this a quarter of it."""
+    if array.dtype == np.float16:
+        return bool((array.view(np.uint16) & 0x7C00).max(initial=0) != 0x7C00)
+    return bool(np.isfinite(array).all())
 
 
 def _example_tokens(texts: Sequence[str], labels: Ints, columns: int, embed_tokens: EmbedTokens,

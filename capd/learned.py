@@ -42,6 +42,11 @@ directory (another port or socket). A daemon notices their commits within
 entries as they now are. A store kept in memory has no other writers: with a read-only data
 directory the file's entries are copied in once, at the start (nobody here can change the file;
 whoever can is seen at the next start), and corrections learned meanwhile live only in that copy.
+
+Rows that cannot be corrections (a damaged or edited file: a BLOB or text that is not UTF-8 where
+text belongs, a ``created`` that is no number, an unknown kind) are skipped and logged, and left in
+the file. A file damaged while the daemon uses it is treated like one that could not be opened at
+the start: the store carries on in memory with the corrections it had read from it.
 """
 
 from __future__ import annotations
@@ -55,14 +60,14 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from capd.catalog import Catalog
-from capd.state import advice, set_busy_timeout
+from capd.state import advice, set_busy_timeout, tolerant_text
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +135,10 @@ class LearnedStore:
         self._advice = ""  # what to do about the file that could not be opened
         # Recorded in memory because the file could not be opened at the start: tried again at the stop.
         self._learned_in_memory: dict[tuple[str, str, str], Learned] = {}
+        # The file's corrections as last read, by key: kept in memory if the file is damaged in use.
+        self._read: dict[tuple[str, str, str], Learned] = {}
+        self._skipped: set[int] = set()  # rowids of the file's rows that are no corrections (said once)
+        self.skipped = 0  # of a :meth:`read_only` store: the file's rows that are no corrections
         self._conn = self._connect(path)
 
     @classmethod
@@ -141,13 +150,14 @@ class LearnedStore:
         """What ``path`` holds, copied into a store in memory; the file is only read, never written
         (``capd learned list | export``: a zero-length file stays zero-length, a file from an older
         capd keeps its columns). Raises :class:`sqlite3.Error` or :class:`OSError` when it cannot be
-        read (damaged, a directory)."""
+        read (damaged, a directory); rows that are no corrections are left out, counted in :attr:`skipped`."""
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a directory")
-        rows = _read_only_rows(path)
+        entries, skipped = _usable(_read_only_rows(path))
         store = cls(None)
+        store.skipped = len(skipped)
         with store._cursor() as conn:
-            conn.executemany("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+            conn.executemany("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", map(astuple, entries))
         return store
 
     @property
@@ -176,6 +186,7 @@ class LearnedStore:
         """``path`` opened for writing, its table created or brought up to date."""
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, check_same_thread=False, timeout=self._timeout)
+        conn.text_factory = tolerant_text  # text that is not UTF-8 failed the query: _usable skips its row
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(_SCHEMA)
@@ -214,13 +225,15 @@ class LearnedStore:
             self.unreadable = path.exists()
             return ""
         try:
-            rows = _read_only_rows(path)
+            entries, skipped = _usable(_read_only_rows(path))
         except sqlite3.Error as exc:
             self.unreadable = True
             return f" (its contents cannot be read either: {exc})"
-        conn.executemany("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        if skipped:
+            log.warning("%s", skipped_rows(path, len(skipped)))
+        conn.executemany("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", map(astuple, entries))
         conn.commit()
-        return f" (the {len(rows)} it holds are used, read-only)"
+        return f" (the {len(entries)} it holds are used, read-only)"
 
     @contextmanager
     def _cursor(self) -> Iterator[sqlite3.Connection]:
@@ -268,8 +281,8 @@ class LearnedStore:
 
     def _insert(self, conn: sqlite3.Connection, entry: Learned) -> bool:
         key = (entry.tap, entry.capability, entry.kind)
-        latest = conn.execute("SELECT MAX(created) FROM learned WHERE tap = ? AND capability = ? AND kind = ?",
-                              key).fetchone()[0]
+        latest = conn.execute("SELECT MAX(created) FROM learned WHERE tap = ? AND capability = ? AND kind = ? "
+                              "AND typeof(created) IN ('integer', 'real')", key).fetchone()[0]  # not a damaged row
         if latest is not None and latest >= entry.created:
             # The clock went back (or another process's runs ahead): a correction dated before the ones
             # kept was the oldest, and dropped at once by the limit below, though it is the newest.
@@ -335,14 +348,18 @@ class LearnedStore:
 
     def entries(self, tap: Path | str | None = None, capability: str | None = None,
                 kind: str | None = None) -> list[Learned]:
-        """The matching corrections, those held in memory included (over the file's of the same message)."""
+        """The matching corrections, those held in memory included (over the file's of the same message).
+        Rows that are no corrections are skipped (logged once); a file damaged meanwhile leaves the
+        store in memory (:meth:`_lose_file`)."""
         with self._lock:
             unsaved = list(self._unsaved.values())
-        with self._cursor() as conn:
-            where, args = _filters(self._spellings(conn, tap), capability, None, None if unsaved else kind)
-            rows = conn.execute(f"SELECT tap, capability, message, previous, session, created, kind FROM learned"
-                                f"{where} ORDER BY tap, capability, kind DESC, created, message", args).fetchall()
-        found = [Learned(*row) for row in rows]
+        try:
+            found = self._select(tap, capability, None if unsaved else kind)
+        except sqlite3.DatabaseError as exc:
+            if not (self.persistent and _damaged(exc)):
+                raise
+            self._lose_file(exc)
+            return self.entries(tap, capability, kind)
         if not unsaved:
             return found
         merged = {(e.tap, e.capability, e.message): e for e in found}
@@ -350,6 +367,49 @@ class LearnedStore:
         # the query's order: kind DESC puts triggers before abstains
         return sorted((e for e in merged.values() if _matches(e, kind=kind)),
                       key=lambda e: (e.tap, e.capability, KINDS.index(e.kind), e.created, e.message))
+
+    def _select(self, tap: Path | str | None, capability: str | None, kind: str | None) -> list[Learned]:
+        """The file's matching rows that are corrections, remembered (:attr:`_read`) while it is used."""
+        with self._cursor() as conn:
+            spellings = self._spellings(conn, tap)
+            where, args = _filters(spellings, capability, None, kind)
+            rows = conn.execute(f"SELECT rowid, tap, capability, message, previous, session, created, kind FROM "
+                                f"learned{where} ORDER BY tap, capability, kind DESC, created, message",
+                                args).fetchall()
+        found, skipped = _usable(row[1:] for row in rows)
+        with self._lock:
+            new = {rows[i][0] for i in skipped} - self._skipped
+            self._skipped |= new
+        if new:
+            log.warning("%s", skipped_rows(self.path or Path(":memory:"), len(new)))
+        if self.persistent:
+            with self._lock:  # what the query covered, as the file has it now
+                for key in [k for k, e in self._read.items() if (spellings is None or e.tap in spellings)
+                            and _matches(e, capability=capability, kind=kind)]:
+                    del self._read[key]
+                self._read.update(((e.tap, e.capability, e.message), e) for e in found)
+        return found
+
+    def _lose_file(self, exc: sqlite3.Error) -> None:
+        """The file was damaged while in use: carry on in memory, as when it cannot be opened at the
+        start, with the corrections read from it so far and those held back (all stored in the file
+        at the stop if it can be used by then)."""
+        assert self.path is not None
+        with self._lock:
+            if not self.persistent:
+                return  # another thread found it first
+            kept = {**self._read, **self._unsaved}
+            memory = sqlite3.connect(":memory:", check_same_thread=False)
+            with memory:
+                memory.execute(_SCHEMA)
+                memory.executemany("INSERT INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", map(astuple, kept.values()))
+            old, self._conn = self._conn, memory
+            self._learned_in_memory, self._unsaved = kept, {}
+            self.persistent, self.unreadable = False, True
+            self.error = (f"cannot store learned examples in {self.path}: {exc}; keeping them in memory (the "
+                          f"{len(kept)} read from it before are used); {advice(self.path, exc, 'learned')}")
+        old.close()
+        log.error("%s", self.error)
 
     def forget(self, tap: Path | str | None = None, capability: str | None = None,
                message: str | None = None, kind: str | None = None) -> int:
@@ -445,12 +505,51 @@ def _read_only_rows(path: Path) -> list[tuple[Any, ...]]:
 
 def _rows(uri: str) -> list[tuple[Any, ...]]:
     with closing(sqlite3.connect(uri, uri=True)) as stored:
+        stored.text_factory = tolerant_text
         columns = {row[1] for row in stored.execute("PRAGMA table_info(learned)")}
         if not columns and not stored.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
             return []  # an empty database (a zero-length file): nothing learned yet
         kind = "kind" if "kind" in columns else "'trigger'"
         return stored.execute(f"SELECT tap, capability, message, previous, session, created, {kind} "
                               "FROM learned").fetchall()
+
+
+def _usable(rows: Iterable[Sequence[Any]]) -> tuple[list[Learned], list[int]]:
+    """The rows (as :class:`Learned`'s fields) that are corrections, and the indices of those that are
+    not: a damaged or edited file can hold a BLOB or undecodable text where text belongs, a ``created``
+    that is no number, an unknown kind. Routing used to fail on them, and the daemon with it."""
+    found: list[Learned] = []
+    skipped: list[int] = []
+    for index, (tap, capability, message, previous, session, created, kind) in enumerate(rows):
+        texts = all(map(_is_text, (tap, capability, message))) and all(
+            v is None or _is_text(v) for v in (previous, session))
+        if texts and kind in KINDS and isinstance(created, int | float) and math.isfinite(created):
+            found.append(Learned(tap, capability, message, previous, session, float(created), kind))
+        else:
+            skipped.append(index)
+    return found, skipped
+
+
+def _is_text(value: object) -> bool:
+    """A str that was valid UTF-8 in the file (:func:`capd.state.tolerant_text`)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def skipped_rows(path: Path, count: int) -> str:
+    """What to say about ``count`` rows of ``path`` that are no corrections."""
+    return (f"{path}: skipped {count} row(s) that cannot be read as learned corrections (damaged or edited); "
+            "capd leaves them in the file")
+
+
+def _damaged(exc: sqlite3.Error) -> bool:
+    """Whether SQLite says the file itself is damaged (not a database, malformed), not in the way."""
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
 def canonical_tap(tap: Path | str) -> str:

@@ -109,8 +109,28 @@ def _encode(record: SessionRecord) -> str:
     )
 
 
-def _decode(session: str, last_seen: float, next_seq: int, active: str) -> SessionRecord:
-    """Rebuild a record from a row; raises ValueError, KeyError or TypeError if it is malformed."""
+# What decoding a damaged row raises: ``"seq": 1e999`` is an OverflowError, JSON nested deeper than
+# Python's recursion limit a RecursionError; both failed the daemon's start.
+_MALFORMED = (ValueError, KeyError, TypeError, OverflowError, RecursionError)
+
+
+def tolerant_text(value: bytes) -> str:
+    """A TEXT value of a capd SQLite file (``text_factory``). Bytes that are not UTF-8 (a damaged row)
+    failed the whole read; they come back with surrogates in their place, for the reader to skip the
+    row (``str.encode`` refuses them)."""
+    return value.decode("utf-8", "surrogateescape")
+
+
+def _decode(session: object, last_seen: float, next_seq: int, active: str) -> SessionRecord:
+    """Rebuild a record from a row; raises one of :data:`_MALFORMED` if it is malformed."""
+    if not isinstance(session, str):  # a NULL id: sorting the ids failed the start
+        raise TypeError(f"the session id is {type(session).__name__}, not text")
+    try:
+        for text in (session, active):
+            if isinstance(text, str):
+                text.encode()  # refuses the surrogates tolerant_text left for bytes that are not UTF-8
+    except UnicodeEncodeError:
+        raise ValueError("it holds text that is not UTF-8") from None
     entries: list[ActiveCapability] = []
     for item in json.loads(active):
         origin = item["origin"]
@@ -216,6 +236,7 @@ class SessionStore:
         try:
             conn = sqlite3.connect(self.path, timeout=max(timeout, OPEN_WAIT), isolation_level=None,
                                    check_same_thread=False)
+            conn.text_factory = tolerant_text  # one row that is not UTF-8 kept every session in memory only
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise sqlite3.OperationalError(f"journal_mode is {mode!r}, WAL could not be enabled")
@@ -280,7 +301,7 @@ class SessionStore:
         for row in rows:
             try:
                 records[row[0]] = _decode(*row)
-            except (ValueError, KeyError, TypeError) as exc:
+            except _MALFORMED as exc:
                 log.warning("%s: skipping unreadable session %r: %s", self.path, row[0], exc)
         return records
 

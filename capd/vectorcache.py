@@ -303,12 +303,12 @@ class VectorCache:
 
 
 def _usable_rows(rows: Sequence[tuple[str, int, bytes]]) -> dict[str, Vectors]:
-    """The vectors of the rows that can be used: a short blob is a torn row, and NaN or inf was
-    written by a damaged model; both are left out (missing). Checked a chunk at a time: per row
-    it cost ~3 us, ~0.3 s on a warm start over 90k triggers."""
+    """The vectors of the rows that can be used: a short blob is a torn row, TEXT in its place an
+    edited file, and NaN or inf was written by a damaged model; all are left out (missing).
+    Checked a chunk at a time: per row it cost ~3 us, ~0.3 s on a warm start over 90k triggers."""
     by_dim: dict[int, list[tuple[str, bytes]]] = {}
     for key, dim, blob in rows:
-        if len(blob) == dim * 4:
+        if isinstance(blob, bytes) and len(blob) == dim * 4:
             by_dim.setdefault(dim, []).append((key, blob))
     found: dict[str, Vectors] = {}
     for dim, items in by_dim.items():

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from capd.api import create_app
 from capd.cli import main
 from capd.errors import ConfigError
-from capd.learned import Corrections, LearnedStore
+from capd.learned import Corrections, LearnedStore, canonical_tap
 from capd.service import Service
 from capd.settings import Settings, default_taps, load_settings
 from tests.conftest import SettingsFactory, file_held, isolated_data_dir
@@ -728,3 +728,74 @@ def test_a_correction_recorded_while_a_learning_pass_publishes_is_routed_with(
         while "filesystem-write" not in service._learned_in_use[0] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert service._learned_in_use[0] == {"filesystem-read": (PLACELESS,), "filesystem-write": (PLACELESS,)}
+
+
+# -- damaged rows, and a file damaged while in use (robustness audit) -----------------------------------------
+
+def _insert_damaged_rows(path: Path, tap: str) -> None:
+    """Rows no capd writes, as a damaged or edited file holds them: a BLOB message, a ``created`` that is
+    no number (beside a good correction of the same capability), text that is not UTF-8, an unknown kind."""
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("INSERT INTO learned VALUES (?, 'filesystem-read', x'ff00fe', NULL, NULL, 1.0, 'trigger')",
+                     (tap,))
+        conn.execute("INSERT INTO learned VALUES (?, 'filesystem-read', 'yesterday it worked', NULL, NULL, "
+                     "'yesterday', 'trigger')", (tap,))
+        conn.execute("INSERT INTO learned VALUES (?, 'filesystem-read', CAST(x'eda080' AS TEXT), NULL, NULL, 1.0, "
+                     "'abstain')", (tap,))
+        conn.execute("INSERT INTO learned VALUES (?, 'filesystem-write', 'an odd one', NULL, NULL, 1.0, 'maybe')",
+                     (tap,))
+
+
+def test_rows_that_are_no_corrections_are_skipped_and_said(settings_factory: SettingsFactory, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """One damaged row failed the daemon's start ("'bytes' object has no attribute 'encode'", "'<' not
+    supported between 'str' and 'float'", "Could not decode to UTF-8 column 'message'"): every endpoint
+    answered 503. `capd learned export` crashed, `capd learned list` said the file cannot be read. They
+    are skipped, said once with the file's name and how many, and left in the file."""
+    settings = settings_factory(taps=(octomind_tap(tmp_path / "tap"),), rule="capd")
+    tap = canonical_tap(tmp_path / "tap" / "tap")
+    with closing(LearnedStore.open(settings.data_dir)) as store:
+        store.record(tap, "filesystem-read", PLACELESS)
+    path = settings.data_dir / "learned.sqlite3"
+    _insert_damaged_rows(path, tap)
+    with caplog.at_level(logging.WARNING, logger="capd.learned"), \
+            closing(Service(settings, sessions=True, learn=True).start()) as service:
+        assert service.health()["status"] == "ok"
+        assert _decision(service) == ("activate", "filesystem-read")  # the good correction is routed with
+        assert service.learned is not None
+        assert service.learned.record(tap, "filesystem-read", "open the notes I wrote")  # beside 'yesterday'
+        assert service.apply_learned() == 2
+    assert caplog.text.count("skipped") == 2  # once per read that found them (triggers, abstains), not per reload
+    assert f"{path}: skipped 2 row(s) that cannot be read as learned corrections" in caplog.text
+    for args in (["list", "--json"], ["export", "--format", "json"]):
+        result = CliRunner().invoke(main, ["learned", *args, "--data-dir", str(settings.data_dir)])
+        assert result.exit_code == 0, result.output
+        assert PLACELESS in result.output and "yesterday" not in result.output
+        assert f"{path}: skipped 4 row(s)" in result.stderr
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT count(*) FROM learned").fetchone()[0] == 6  # left in the file
+
+
+def test_a_file_damaged_while_the_daemon_runs_keeps_its_corrections_in_memory(
+        settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """learned.sqlite3 damaged under a running daemon failed every later reload (a tap edit, POST
+    /v1/reload: "file is not a database"), while health said all was well. It is now taken as at the
+    start: the store goes on in memory, with the corrections read before, and health names the file."""
+    settings = settings_factory(taps=(octomind_tap(tmp_path / "tap"),), rule="capd")
+    with closing(LearnedStore.open(settings.data_dir)) as store:
+        store.record(tmp_path / "tap" / "tap", "filesystem-read", PLACELESS)
+    path = settings.data_dir / "learned.sqlite3"
+    with closing(Service(settings, sessions=True, learn=True).start()) as service:
+        assert _decision(service) == ("activate", "filesystem-read")
+        for damaged in (path, path.with_name(path.name + "-shm")):
+            damaged.write_bytes(b"\0" * damaged.stat().st_size)
+        before = path.read_bytes()
+        assert service.reload()["errors"] == []
+        assert _decision(service) == ("activate", "filesystem-read")  # the correction read before the damage
+        (error,) = [e for e in service.health()["errors"] if e["file"] == str(path)]
+        assert "keeping them in memory" in error["reason"] and "the file is damaged" in error["reason"]
+        assert service.registry is not None and service.learned is not None
+        service.route("nothing here fits at all, really", "s")
+        service.registry.activate("s", "python-toolchain", "manual")  # learned in memory
+        assert service.apply_learned() == 2
+    assert path.read_bytes() == before  # left as it is

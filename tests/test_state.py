@@ -173,6 +173,33 @@ def test_unreadable_rows_are_skipped_with_a_warning(tmp_path: Path, caplog: pyte
     assert "skipping unreadable session 'bad'" in caplog.text
 
 
+def test_rows_that_failed_the_start_are_skipped_with_a_warning_too(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Each of these failed the daemon's start ("cannot convert float infinity to integer", a
+    RecursionError, "'<' not supported between 'str' and 'NoneType'"), and text that is not UTF-8
+    kept every session in memory only ("Could not decode to UTF-8")."""
+    path = tmp_path / FILENAME
+    with SessionStore(path) as store:
+        store.put(SessionRecord("good", 1.0, 0))
+    item = '{"name": "git", "origin": "manual", "seq": 1e999, "last_used": 1.0, "servers": []}'
+    with sqlite3.connect(path) as db:
+        db.executemany("INSERT INTO sessions VALUES (?, 1.0, 0, ?)",
+                       [("infinite", f"[{item}]"), ("deep", "[" * 100_000 + "]" * 100_000), (None, "[]")])
+        db.execute("INSERT INTO sessions VALUES (CAST(x'eda080' AS TEXT), 1.0, 0, '[]')")
+        undecodable = b'[{"name": "\xed\xa0\x80", "origin": "manual", "seq": 0, "last_used": 1.0, "servers": []}]'
+        db.execute("INSERT INTO sessions VALUES ('undecodable', 1.0, 0, CAST(? AS TEXT))", (undecodable,))
+    db.close()
+    with caplog.at_level(logging.WARNING, logger="capd.state"), SessionStore(path) as store:
+        assert store.persistent and store.ids() == ("good",)
+        store.put(SessionRecord("next", 2.0, 0))  # the file is used as ever
+    for session in ("'infinite'", "'deep'", "None", "'undecodable'"):
+        assert f"skipping unreadable session {session}" in caplog.text
+    assert caplog.text.count("skipping unreadable session") == 5
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM sessions").fetchone()[0] == 7  # left in the file
+    db.close()
+
+
 def test_directory_that_cannot_be_created(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -430,3 +430,20 @@ def test_a_poisoned_row_is_embedded_again_and_replaced(tmp_path: Path, caplog: p
         stored = dict(conn.execute("SELECT text_hash, vector FROM vectors"))
     assert np.isfinite(np.frombuffer(stored[text_hash("nan")], dtype="<f4")).all()
     assert np.all(np.frombuffer(stored[text_hash("good")], dtype="<f4") == 0.5)
+
+
+def test_a_row_stored_as_text_is_embedded_again(tmp_path: Path) -> None:
+    """A vector stored as TEXT (an edited file) failed the start: the chunk's blobs were joined
+    as bytes ("expected a bytes-like object, str found"). It reads as missing, as a torn row does."""
+    encoder = CountingEncoder()
+    with VectorCache.open(tmp_path) as cache:
+        CachedEmbedder(encoder, cache).embed(["text", "good"])
+    with sqlite3.connect(tmp_path / CACHE_FILE) as conn:
+        conn.execute("UPDATE vectors SET vector = ? WHERE text_hash = ?", ("x" * encoder.dim * 4, text_hash("text")))
+    encoder.seen.clear()
+    with VectorCache.open(tmp_path) as cache:
+        embedder = CachedEmbedder(encoder, cache)
+        vectors, embedded, cached = embedder.embed(["text", "good"])
+        assert (embedded, cached) == (1, 1) and encoder.seen == ["text"]
+        np.testing.assert_array_equal(vectors, HashEncoder(dim=encoder.dim).embed(["text", "good"]))
+        assert embedder.embed(["text", "good"])[1:] == (0, 2)  # replaced by the vector embedded again

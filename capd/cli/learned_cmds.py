@@ -21,7 +21,7 @@ from capd.cli.common import (
 )
 from capd.cli.daemon_cmds import client_for
 from capd.errors import ClientError
-from capd.learned import FILE_NAME, Learned, LearnedStore, canonical_tap
+from capd.learned import FILE_NAME, Learned, LearnedStore, canonical_tap, skipped_rows
 from capd.settings import Settings
 
 
@@ -29,16 +29,19 @@ def _store(settings: Settings, write: bool = False) -> LearnedStore:
     """The data directory's store; an empty one in memory when it has none, so that a mistyped
     ``--data-dir`` is said (stderr) and not created with an empty file in it. Unless ``write``
     (``forget``), the file is only read. A file whose contents cannot be read fails the command: an
-    empty list would say "nothing learned" (exit 0)."""
+    empty list would say "nothing learned" (exit 0); rows that are no corrections are skipped, and said."""
     path = settings.data_dir / FILE_NAME
     if not path.exists():
         click.echo(f"capd: no learned corrections in {settings.data_dir} (no {FILE_NAME} there)", err=True)
         return LearnedStore(None)
     if not write:
         try:
-            return LearnedStore.read_only(path)
+            store = LearnedStore.read_only(path)
         except (OSError, sqlite3.Error) as exc:
             raise Failed(f"{path}: what it holds cannot be read ({exc})") from exc
+        if store.skipped:
+            click.echo(f"capd: {skipped_rows(path, store.skipped)}", err=True)
+        return store
     store = LearnedStore(path)
     if store.unreadable:
         store.close()
