@@ -75,7 +75,7 @@ from capd.schemas import (
 from capd.service import Service
 from capd.sessions import check_session_id
 from capd.settings import Settings
-from capd.text import finite
+from capd.text import finite, printable_strings
 from capd.watcher import TapWatcher
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,21 @@ def _json(content: Any) -> Response:
     except ValueError:  # NaN or inf (a damaged model): null, rather than a 500 or invalid JSON
         body = json.dumps(finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":"),
                           default=_jsonable)
-    return Response(body.encode("utf-8"), media_type="application/json")
+    try:
+        return Response(body.encode("utf-8"), media_type="application/json")
+    except UnicodeEncodeError:  # a path that is not UTF-8 (a tap folder named with a 0xff byte)
+        return _json(printable_strings(content))
+
+
+class _JSON(JSONResponse):
+    """FastAPI's JSON response for what handlers return as dicts, with :func:`_json`'s care for
+    paths that are not UTF-8 (a 500 for as long as such a tap was loaded)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return super().render(printable_strings(content))
 
 
 
@@ -333,6 +347,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
             service.close()
 
     app = FastAPI(title="capd", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,  # CDN pages
+                  default_response_class=_JSON,
                   description="Local capability router for AI agents. Every endpoint: the README, *HTTP API*.",
                   redirect_slashes=False)  # a trailing slash is a 404 with a reason, not a bare 307
     _install_handlers(app)

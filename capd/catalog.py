@@ -15,17 +15,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from capd.text import printable
+
 Severity = Literal["error", "warning", "info"]
 CapabilityKind = Literal["mcp", "toolchain", "routing-only"]
-
-
-def printable(text: str) -> str:
-    r"""``text`` as valid Unicode: the bytes of a file name that is not UTF-8, which Python keeps as
-    lone surrogates, become ``\xNN`` escapes (any other lone surrogate a ``\uNNNN`` one)."""
-    try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ from typing import Any
 
 from capd.catalog import Catalog
 from capd.state import advice, set_busy_timeout, tolerant_text
+from capd.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -554,8 +555,9 @@ def _damaged(exc: sqlite3.Error) -> bool:
 
 def canonical_tap(tap: Path | str) -> str:
     """The key a tap's corrections are stored under: its real path, so that ``taps/x``,
-    ``config/../taps/x`` and a link to it are one tap."""
-    return os.path.realpath(os.path.expanduser(str(tap)))
+    ``config/../taps/x`` and a link to it are one tap. A byte of the path that is not UTF-8 is
+    written ``\\xNN`` (:func:`~capd.text.printable`): SQLite takes text only."""
+    return printable(os.path.realpath(os.path.expanduser(str(tap))))
 
 
 def _filters(taps: Sequence[str] | None, capability: str | None, message: str | None,

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 from capd.batching import MicroBatcher
 from capd.calibrate import Point
-from capd.catalog import Capability, Catalog, Problem, printable
+from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import ModelError, StateError, Stopping, UnknownCapability
 from capd.fits import RuleFits, fitting_threads
@@ -46,7 +46,7 @@ from capd.router import (
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
 from capd.state import SessionStore, sessions_owner
-from capd.text import clean_message
+from capd.text import clean_message, printable
 from capd.tuned_models import InUse, is_tuned, prune, set_aside, tuned_dir
 from capd.tuner import Tuner, Tuning
 from capd.vectorcache import CachedEmbedder, VectorCache

@@ -100,3 +100,24 @@ def finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [finite(v) for v in value]
     return value
+
+
+def printable(text: str) -> str:
+    r"""``text`` as valid Unicode: the bytes of a file name that is not UTF-8, which Python keeps as
+    lone surrogates, become ``\xNN`` escapes (any other lone surrogate a ``\uNNNN`` one)."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def printable_strings(value: Any) -> Any:
+    """``value`` (JSON-shaped) with every string, keys included, made :func:`printable`: a path
+    that is not UTF-8 (a tap folder named with a 0xff byte) cannot be written as JSON text."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable_strings(k): printable_strings(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable_strings(v) for v in value]
+    return value

@@ -242,3 +242,20 @@ def test_a_file_name_that_is_not_utf8_is_reported_not_a_500(settings_factory: Se
             files = [e["file"] for e in response.json()["errors"]]
             assert any("bad\\xffname" in f for f in files), files
         assert client.post("/v1/route", json={"message": "list the running containers"}).status_code == 200
+
+
+def test_a_tap_whose_path_is_not_utf8_serves(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """A tap under a folder named with a 0xff byte failed the start (SQLite takes text only, and the
+    learned corrections are keyed by the tap's path), then answered 500 where a capability's tap is
+    shown. Everything answers, the byte shown as ``\\xff``."""
+    tap = Path(os.fsdecode(bytes(tmp_path) + b"/t\xffap"))
+    docker_and_postgres(tmp_path / "tap").rename(tap)
+    with local_client(create_app(settings_factory(taps=(tap,)), watch=False, warm_in_background=False)) as client:
+        assert client.get("/v1/health").json()["status"] == "ok"
+        capabilities = client.get("/v1/capabilities").json()["capabilities"]
+        assert {c["tap"] for c in capabilities} == {str(tmp_path) + "/t\\xffap"}
+        routed = client.post("/v1/route", json={"session": "s", "message": "list the running containers"})
+        assert routed.status_code == 200 and routed.json()["decision"] == "activate", routed.text
+        for action in ("disable", "enable"):  # a correction is learned under the tap's key
+            assert client.post(f"/v1/sessions/s/{action}", json={"name": "docker"}).status_code == 200
+        assert client.post("/v1/reload").status_code == 200
