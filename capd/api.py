@@ -165,8 +165,13 @@ def _install_handlers(app: FastAPI) -> None:
                       dict(exc.headers) if exc.headers else None)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        kind = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in kind.lower() and any(e["loc"] == ("body",) for e in exc.errors()):
+            # `curl -d '{…}'` sends a form: the JSON is there, but not read as JSON
+            sent = f"as {kind}" if kind else "without a content type"
+            detail += f" (the body was sent {sent}; send Content-Type: application/json)"
         return _error(422, "invalid_request", detail)
 
     statuses: list[tuple[type[CapdError], int]] = [

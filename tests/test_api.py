@@ -346,6 +346,17 @@ def test_a_field_the_api_does_not_know_is_422_naming_it(api: TestClient) -> None
     assert api.post("/v1/reload", json={}).status_code == 200
 
 
+def test_json_sent_as_a_form_is_422_saying_what_to_send(api: TestClient) -> None:
+    """``curl -d '{…}'`` sends a form: the 422 said only "Input should be a valid dictionary"."""
+    body = b'{"message": "please run a query on the postgres database"}'
+    form = "application/x-www-form-urlencoded"
+    for headers, sent in [({"content-type": form}, f"as {form}"), ({}, "without a content type")]:
+        response = api.post("/v1/route", content=body, headers=headers)
+        assert response.status_code == 422 and response.json()["error"] == "invalid_request", response.text
+        assert response.json()["detail"].endswith(f"(the body was sent {sent}; send Content-Type: application/json)")
+    assert "Content-Type" not in api.post("/v1/route", json=[1]).json()["detail"]  # JSON, of the wrong shape
+
+
 def test_chunked_body_over_the_limit_is_413(api: TestClient) -> None:
     def chunks(padding: int) -> Iterator[bytes]:  # a generator body goes out chunked, without Content-Length
         yield b'{"session": "c", "message": "please run a query on the postgres database"'
