@@ -22,7 +22,7 @@ import platformdirs
 
 from capd.errors import ConfigError, TapFileError
 from capd.learned import MAX_PER_CAPABILITY
-from capd.taps import _line_of, parse_toml_bytes
+from capd.taps import MAX_FILE_BYTES, _line_of, parse_toml_bytes
 
 log = logging.getLogger(__name__)
 
@@ -328,11 +328,18 @@ def _convert(source: str, key: str, value: object, line: int | None = None) -> o
 
 def read_config_file(path: Path) -> dict[str, object]:
     """Read a config file's settings; unknown keys and bad values are errors naming the key and
-    its line. Read as tap files are: a leading BOM is fine, and a pipe is refused, not waited on."""
+    its line. Read as tap files are: a leading BOM is fine, a pipe is refused, not waited on, and at
+    most :data:`~capd.taps.MAX_FILE_BYTES` are read (``--config /dev/null`` is an empty file, a
+    device that never ends is refused)."""
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise ConfigError(str(path), None, "is not a regular file (a pipe, socket, device or folder)")
-        raw, text, _ = parse_toml_bytes(path, path.read_bytes())
+        mode = path.stat().st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISDIR(mode):
+            raise ConfigError(str(path), None, "is not a file (a pipe, socket or folder)")
+        with path.open("rb") as stream:
+            data = stream.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise ConfigError(str(path), None, f"is over {MAX_FILE_BYTES} bytes: not a config file")
+        raw, text, _ = parse_toml_bytes(path, data)
     except FileNotFoundError:
         raise ConfigError(str(path), None, "config file not found") from None
     except OSError as exc:

@@ -81,8 +81,11 @@ def test_a_config_file_is_read_as_tap_files_are(tmp_path: Path) -> None:
         load_settings(env={}, config=config)
     fifo = tmp_path / "pipe.toml"
     os.mkfifo(fifo)
-    with pytest.raises(ConfigError, match="is not a regular file"):
+    with pytest.raises(ConfigError, match="is not a file"):
         load_settings(env={}, config=fifo)
+    assert load_settings(env={}, config=Path("/dev/null")).port == 7171  # "no config file", as people write it
+    with pytest.raises(ConfigError, match="bytes: not a config file"):
+        load_settings(env={}, config=Path("/dev/zero"))
 
 
 def test_coverage_gate_from_the_environment() -> None:
