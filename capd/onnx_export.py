@@ -108,6 +108,11 @@ def ensure_onnx(model_dir: Path, weights_sha: str, data_dir: Path, cleanup: cont
             return _export_private(model_dir, weights_sha, cleanup, f"cannot set aside the damaged {replacing}")
         if is_current(directory, weights_sha):
             return directory / MODEL_FILE
+        target = directory / MODEL_FILE
+        if (target.exists() or target.is_symlink()) and not target.is_file():  # a folder there failed the start
+            log.warning("%s is not a file; setting it aside and exporting again", target)
+            if not discard(directory):
+                return _export_private(model_dir, weights_sha, cleanup, f"cannot set aside {target}")
         return _export_into(model_dir, weights_sha, directory, kept=True)
     finally:
         lock.release()
@@ -192,7 +197,7 @@ def discard(directory: Path) -> bool:
     done = True
     for name in (META_FILE, MODEL_FILE):
         path = directory / name
-        if path.exists():
+        if path.exists() or path.is_symlink():
             try:
                 path.rename(path.with_name(f"{name}.broken-{stamp}"))
             except OSError as exc:

@@ -251,6 +251,28 @@ def test_concurrent_exports_take_turns(tmp_path: Path, monkeypatch: pytest.Monke
     assert not list(results[0].parent.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("kind", ["folder", "dangling link"])
+def test_an_export_path_that_is_not_a_file_is_set_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       kind: str) -> None:
+    """A folder named ``model.onnx`` in the data directory failed the start ("Is a directory")."""
+    def fake_export(model_dir: Path, out: Path) -> dict[str, object]:
+        out.write_bytes(b"graph")
+        return {}
+
+    monkeypatch.setattr(onnx_export, "export", fake_export)
+    directory = onnx_export.onnx_dir(tmp_path / "data", "f" * 64)
+    directory.mkdir(parents=True)
+    if kind == "folder":
+        (directory / "model.onnx").mkdir()
+        (directory / "model.onnx" / "notes.txt").write_text("mine")
+    else:
+        (directory / "model.onnx").symlink_to("nowhere")
+    path = onnx_export.ensure_onnx(tmp_path / "model", "f" * 64, tmp_path / "data")
+    assert path == directory / "model.onnx" and path.read_bytes() == b"graph"
+    (aside,) = directory.glob("model.onnx.broken-*")
+    assert kind != "folder" or (aside / "notes.txt").read_text() == "mine"  # kept, not deleted
+
+
 def test_lint_finds_near_duplicate_triggers_across_capabilities(tmp_path: Path, model_settings: Settings) -> None:
     from capd.lint_embed import near_duplicates
     from capd.taps import load_catalog
