@@ -281,6 +281,14 @@ def test_tune_list_shows_what_interrupted_runs_left_and_remove_takes_it(tmp_path
     assert not dead.exists() and running.exists() and is_tuned(tuned_dir(tmp_path, "ab12"))
 
 
+def test_tune_list_says_when_a_marker_has_no_training_summary(tmp_path: Path) -> None:
+    """It printed "None capabilities, None examples, None steps"."""
+    fake_models(tmp_path, ["ab12"])
+    (tuned_dir(tmp_path, "ab12") / MARKER).write_text("{}")
+    text = CliRunner().invoke(main, ["tune", "--data-dir", str(tmp_path), "--list"]).stdout
+    assert "no training summary in its marker" in text and "None" not in text
+
+
 # -- the real model -----------------------------------------------------------------------------
 
 

@@ -84,10 +84,11 @@ def _list(settings: Settings, as_json: bool) -> None:
         return
     for row in rows:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["last_used"]))
+        counts = (row["capabilities"], row["examples"], row["steps"])
+        trained = ("{} capabilities, {} examples, {} steps".format(*counts) if None not in counts else
+                   "no training summary in its marker")  # an older or hand-edited marker
         click.echo(f"{'*' if row['current'] else ' '} {row['key']}  {'in use' if row['in_use'] else 'used  '} {used}  "
-                   f"{row['bytes'] / 1e6:6.1f} MB  "
-                   f"{row['capabilities']} capabilities, {row['examples']} examples, {row['steps']} steps  "
-                   f"{row['path']}")
+                   f"{row['bytes'] / 1e6:6.1f} MB  {trained}  {row['path']}")
     for left in scratch:
         what = (f"a tuning run in progress (pid {left['pid']})" if left["running"] else
                 f"left by an interrupted tuning run (pid {left['pid']}, gone): capd tune --remove {left['name']}")
