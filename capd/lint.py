@@ -6,7 +6,8 @@ but probably not as meant), ``info`` (worth knowing). Checks:
 - load errors: unreadable / binary / oversized files, invalid TOML, schema errors,
   dangling or escaping symlinks (``default.toml`` pointing nowhere);
 - ``server_refs`` naming a server no ``[[mcp.servers]]`` defines (error);
-- two ``[[mcp.servers]]`` of one name in a provider (error: plans and teardown know servers by name);
+- two ``[[mcp.servers]]`` of one name in a provider (error: plans and teardown know servers by name),
+  or one server name that two capabilities define differently (warning: a session runs one of them);
 - ``allowed_tools`` scoped to a server the capability does not use (warning);
 - no triggers (warning: never auto-routed, can still be enabled by name);
 - triggers shorter than ``MIN_TRIGGER_CHARS`` non-space characters (warning: the router
@@ -24,6 +25,7 @@ but probably not as meant), ``info`` (worth knowing). Checks:
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import tomllib
@@ -53,10 +55,10 @@ def _trigger_line(capability: Capability, trigger: str) -> int | None:
     return _line_of(text, "triggers")
 
 
-def _second_line(text: str, name: str) -> int | None:
-    """The line of the second ``name = "<name>"`` (the duplicate), else of the first ``name``."""
+def _server_line(text: str, name: str, nth: int = 0) -> int | None:
+    """The line of the ``nth`` ``name = "<name>"`` of a provider file, else of its first ``name``."""
     found = list(re.finditer(rf"^[ \t]*name\s*=\s*[\"']{re.escape(name)}[\"']", text, re.M))
-    return text.count("\n", 0, found[1].start()) + 1 if len(found) > 1 else _line_of(text, "name")
+    return text.count("\n", 0, found[nth].start()) + 1 if len(found) > nth else _line_of(text, "name")
 
 
 def _check_provider(capability: Capability) -> Iterable[Problem]:
@@ -71,7 +73,7 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
     for name in sorted({n for n in names if names.count(n) > 1}):
         yield Problem("error", str(provider.path), f"two [[mcp.servers]] entries are named {name!r}; plans, "
                       "server_refs and refcounted teardown know a server by its name, so they would be taken for one",
-                      _second_line(text, name), capability.name, "duplicate-server")
+                      _server_line(text, name, 1), capability.name, "duplicate-server")
     for ref in provider.server_refs:
         if ref not in defined:
             yield Problem("error", str(provider.path), f"server_refs names {ref!r}, but no [[mcp.servers]] entry "
@@ -132,6 +134,23 @@ def _cross_duplicates(catalog: Catalog) -> Iterable[Problem]:
                               "shared-trigger")
 
 
+def _server_conflicts(catalog: Catalog) -> Iterable[Problem]:
+    """One server name, two specs: a session with both capabilities active runs the server once, by
+    name, so one of them gets the other's (plans restart it only when its own spec changes)."""
+    first: dict[str, tuple[Capability, str]] = {}
+    for capability in catalog:
+        if capability.provider is None:
+            continue
+        for spec in capability.servers:
+            shape = json.dumps(spec.as_dict(), sort_keys=True, default=str)
+            owner, seen = first.setdefault(spec.name, (capability, shape))
+            if owner is not capability and seen != shape:
+                text = capability.provider.path.read_text(encoding="utf-8", errors="replace")
+                yield Problem("warning", str(capability.provider.path), f"server {spec.name!r} is also defined by "
+                              f"{owner.name!r}, differently; a session with both runs one of the two",
+                              _server_line(text, spec.name), capability.name, "server-conflict")
+
+
 def lint_catalog(catalog: Catalog) -> list[Problem]:
     """All static findings for a loaded catalog (load problems included), errors first."""
     problems = list(catalog.problems)
@@ -140,6 +159,7 @@ def lint_catalog(catalog: Catalog) -> list[Problem]:
         problems.extend(_check_triggers(capability))
         problems.extend(_check_keys(capability))
     problems.extend(_cross_duplicates(catalog))
+    problems.extend(_server_conflicts(catalog))
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(problems, key=lambda p: (order[p.severity], p.file, p.line or 0))
 

@@ -27,8 +27,10 @@ Decisions where DESIGN.md is silent:
   surface is the union of the grants of the capabilities still referencing it, so a tool
   that another remaining capability also grants stays.
 - **Snapshots**: servers, tools and specs are copied at activation, so teardown matches what
-  was started even after the tap changes. An edited capability keeps its snapshot until it
-  leaves the session; a deleted one is torn down by the session's next plan. Settings that
+  was started even after the tap changes. A deleted capability is torn down by the session's
+  next plan. An edited one (a server's spec or tool grant changed) is refreshed by it: the plan
+  tears down each server that changed as it was started (``kill`` when no other capability of
+  the session runs it with the old spec and the new spec differs) and starts it as it now is. Settings that
   changed across a restart are applied there too: a formerly pinned capability becomes
   ``manual``, and the LRU is trimmed to ``max_active``.
 - **Idle** (for ``ttl``): every call on a session except the reads (get, active_names,
@@ -45,6 +47,7 @@ Decisions where DESIGN.md is silent:
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import re
@@ -149,6 +152,17 @@ def _references(entry: ActiveCapability, server: str) -> bool:
     return any(s.name == server for s in entry.servers)
 
 
+def _canonical(server: ServerSnapshot) -> str:
+    """A snapshot as it compares across a restart: stored as JSON (``default=str``), read back with
+    lists for tuples and strings for TOML dates, so compared in that form."""
+    return json.dumps({"name": server.name, "tools": list(server.tools), "spec": server.spec}, sort_keys=True,
+                      default=str)
+
+
+def _same_spec(a: ServerSnapshot, b: ServerSnapshot) -> bool:
+    return json.dumps(a.spec, sort_keys=True, default=str) == json.dumps(b.spec, sort_keys=True, default=str)
+
+
 class _Change:
     """A working copy of one session during one operation; :meth:`plan` diffs it against the start."""
 
@@ -158,6 +172,16 @@ class _Change:
         self.next_seq = record.next_seq
         self.added: list[str] = []
         self.removed: list[ActiveCapability] = []
+        self.refreshed: dict[str, ActiveCapability] = {}  # name -> the entry as the agent runs it
+
+    def refresh(self, capability: Capability) -> None:
+        """Bring an active capability's servers in line with the tap (an edited spec or grant): the
+        plan restarts what changed, as a teardown of the old and a start of the new."""
+        entry = self.active[capability.name]
+        servers = _snapshot(capability)
+        if [_canonical(s) for s in servers] != [_canonical(s) for s in entry.servers]:
+            self.refreshed.setdefault(capability.name, entry)
+            self.active[capability.name] = replace(entry, servers=servers)
 
     def add(self, capability: Capability, origin: Origin, now: float) -> None:
         self.active[capability.name] = ActiveCapability(capability.name, origin, self.next_seq, now,
@@ -167,6 +191,7 @@ class _Change:
 
     def remove(self, name: str) -> None:
         entry = self.active.pop(name)
+        entry = self.refreshed.pop(name, entry)  # refreshed, then removed: tear down what the agent runs
         if name in self.added:  # came and went within one operation: nothing for the agent to do
             self.added.remove(name)
         else:
@@ -185,8 +210,21 @@ class _Change:
             still = (*final, *self.removed[index + 1:])
             teardown.extend(TeardownItem(entry.name, s.name, not any(_references(o, s.name) for o in still), s.tools)
                             for s in entry.servers)
-        start = tuple(StartItem(name, s.spec, s.tools) for name in self.added for s in self.active[name].servers)
-        return Plan(start, tuple(teardown), tuple(a.name for a in final), tuple(self.added),
+        start = [StartItem(name, s.spec, s.tools) for name in self.added for s in self.active[name].servers]
+        for name, old in self.refreshed.items():
+            now = {s.name: s for s in self.active[name].servers}
+            before = {s.name: s for s in old.servers}
+            others = [o for o in final if o.name != name]
+            for server in old.servers:
+                new = now.get(server.name)
+                if new is not None and _canonical(new) == _canonical(server):
+                    continue
+                kept = (new is not None and _same_spec(new, server)) or any(
+                    _same_spec(t, server) for o in others for t in o.servers if t.name == server.name)
+                teardown.append(TeardownItem(name, server.name, not kept, server.tools))
+            start.extend(StartItem(name, s.spec, s.tools) for s in now.values()
+                         if s.name not in before or _canonical(before[s.name]) != _canonical(s))
+        return Plan(tuple(start), tuple(teardown), tuple(a.name for a in final), tuple(self.added),
                     tuple(e.name for e in self.removed))
 
 
@@ -403,10 +441,13 @@ class SessionRegistry:
         change = _Change(record)
         pinned = set(self.pinned)
         for entry in _ordered(change.active.values()):
-            if entry.name not in catalog or (expired and entry.name not in pinned):
+            capability = catalog.get(entry.name)
+            if capability is None or (expired and entry.name not in pinned):
                 change.remove(entry.name)
-            elif (entry.origin == "pinned") != (entry.name in pinned):
+                continue
+            if (entry.origin == "pinned") != (entry.name in pinned):
                 change.active[entry.name] = replace(entry, origin="pinned" if entry.name in pinned else "manual")
+            change.refresh(capability)
         for name in self.pinned:
             capability = catalog.get(name)
             if capability is not None and name not in change.active:

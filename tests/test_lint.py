@@ -116,3 +116,17 @@ def test_shipped_tap_is_lint_clean() -> None:
     assert isinstance(report["capabilities"], int) and report["capabilities"] >= 25
     counts = report["counts"]
     assert isinstance(counts, dict) and counts["warning"] == 0
+
+
+def test_one_server_name_two_specs_across_capabilities_is_a_warning(tmp_path: Path) -> None:
+    """A session with both runs one process by that name; an edit to one copy of a shared server
+    made them differ without a word."""
+    tap = octomind_tap(tmp_path)
+    write_capability(tap, "postgres-admin", ["administer the postgres server"],
+                     {"p": POSTGRES_PROVIDER.replace("server-postgres@0.6.2", "server-postgres@0.7.0")}, default="p")
+    write_capability(tap, "postgres-same", ["report on the postgres tables"], {"p": POSTGRES_PROVIDER}, default="p")
+    code, report = _lint(str(tap))
+    conflicts = [p for p in report["problems"] if p["code"] == "server-conflict"]  # type: ignore[union-attr,index]
+    assert code == 0 and [c["capability"] for c in conflicts] == ["postgres-admin"], conflicts
+    assert conflicts[0]["severity"] == "warning" and "'postgres' is also defined by 'database-postgres'" in str(
+        conflicts[0]["reason"])

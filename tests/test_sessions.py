@@ -462,6 +462,64 @@ def test_snapshot_survives_edits_to_the_tap(make: Make, catalogs: Catalogs, tap:
     assert started(registry.activate("s1", "fs-read")) == [("fs-read", "filesystem", ("write_file",))]
 
 
+def _edit_server(tap: Path, name: str, old: str, new: str) -> None:
+    path = tap / "capabilities" / name / "default.toml"
+    path.write_text(path.read_text().replace(old, new))
+
+
+def test_an_edited_server_is_restarted_by_the_next_plan(tmp_path: Path, make: Make, catalogs: Catalogs,
+                                                        tap: Path) -> None:
+    """A changed spec (a version bump in ``args``) never reached a session that had the capability
+    active: its plans said nothing until it was disabled and enabled again."""
+    registry = make()
+    registry.activate("s1", "git")
+    registry.activate("s1", "docker")
+    _edit_server(tap, "git", '"mcp-server-git"', '"mcp-server-git==2.0"')
+    catalogs.reload()
+    assert registry.tool_result("s1", "git", "log", ok=True) == ["git"]  # reads and tool results change nothing
+    plan = registry.reconcile("s1")
+    assert removed(plan) == [("git", "git", True)] and started(plan) == [("git", "git", ("*",))]
+    assert plan.start[0].server["args"] == ["mcp-server-git==2.0"] and plan.active == ("git", "docker")
+    assert registry.reconcile("s1") == Plan(active=("git", "docker"))  # once
+    again = make()  # a restart: the stored snapshots compare equal to the tap's (no restart for nothing)
+    assert again.reconcile("s1") == Plan(active=("git", "docker"))
+    assert removed(again.deactivate("s1", "git")) == [("git", "git", True)]
+
+
+def test_a_changed_tool_grant_strips_and_adds_without_a_kill(make: Make, catalogs: Catalogs, tap: Path) -> None:
+    registry = make()
+    registry.activate("s1", "github")
+    _edit_server(tap, "github", '"github:list_issues"', '"github:list_pulls"')
+    catalogs.reload()
+    plan = registry.activate("s1", "git")
+    assert removed(plan) == [("github", "github", False)] and plan.teardown[0].tools == ("create_issue", "list_issues")
+    assert started(plan) == [("git", "git", ("*",)), ("github", "github", ("create_issue", "list_pulls"))]
+
+
+def test_an_edited_server_another_capability_runs_is_not_killed(make: Make, catalogs: Catalogs, tap: Path) -> None:
+    """Two capabilities that name one server with two specs: the old process stays for the other
+    (``capd lint`` reports the mismatch)."""
+    registry = make()
+    registry.activate("s1", "fs-read")
+    registry.activate("s1", "fs-write")
+    _edit_server(tap, "fs-write", "2025.1.1", "2025.2.0")
+    catalogs.reload()
+    plan = registry.reconcile("s1")
+    assert removed(plan) == [("fs-write", "filesystem", False)]
+    assert started(plan) == [("fs-write", "filesystem", ("write_file", "read_file"))]
+    assert "2025.2.0" in plan.start[0].server["args"][1]
+
+
+def test_an_edited_capability_evicted_by_the_same_plan_is_torn_down_as_it_ran(make: Make, catalogs: Catalogs,
+                                                                            tap: Path) -> None:
+    registry = make(max_active=1)
+    registry.activate("s1", "git")
+    _edit_server(tap, "git", '"mcp-server-git"', '"mcp-server-git==2.0"')
+    catalogs.reload()
+    plan = registry.activate("s1", "docker")
+    assert removed(plan) == [("git", "git", True)] and started(plan) == [("docker", "docker", ("*",))]
+
+
 def test_pinned_added_to_the_catalog_later_is_started(make: Make, catalogs: Catalogs, tap: Path) -> None:
     shutil.rmtree(tap / "capabilities" / "docker")
     catalogs.reload()
