@@ -614,7 +614,9 @@ class Service:
         if session is None or self.registry is None:
             return RouteResult(router.decide(vector, (), text, tokens))
         with self.registry.locked(session):
-            decision = router.decide(vector, self.registry.active_names(session), text, tokens)
+            # pinned capabilities are active in every session, a new one too (its first plan starts them)
+            pinned = tuple(name for name in self.registry.pinned if name in snapshot.catalog)
+            decision = router.decide(vector, (*self.registry.active_names(session), *pinned), text, tokens)
             plan = None
             if decision.decision in ("activate", "already_active") and decision.capability is not None:
                 # already active: routed to again, it is about to be used, so its last_used is refreshed

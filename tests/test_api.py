@@ -391,6 +391,16 @@ def test_an_unknown_pinned_name_is_logged(tmp_path: Path, caplog: pytest.LogCapt
     assert warned == ["pinned capability not in the catalog, ignored until a tap provides it: nosuchcap"]
 
 
+def test_a_pinned_winner_is_already_active_in_a_new_session(tmp_path: Path) -> None:
+    """It said "activate" for a session's first message, as if the capability had not been active."""
+    settings = Settings(taps=(docker_and_postgres(tmp_path / "tap"),), data_dir=tmp_path / "d", model="hash",
+                        pinned=("docker",))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        routed = client.post("/v1/route", json={"session": "new", "message": "list the running containers"}).json()
+        assert routed["decision"] == "already_active" and routed["capability"] == "docker", routed
+        assert routed["plan"]["active"] == ["docker"]
+
+
 def test_docs_page_works_offline_and_lists_every_endpoint(api: TestClient) -> None:
     """FastAPI's Swagger page loads its script from a CDN; capd's /docs is one self-contained page."""
     response = api.get("/docs")
