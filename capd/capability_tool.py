@@ -65,6 +65,11 @@ def run_capability_call(service: Service, session: str, action: str, name: str |
                                                                                                          name)
     except CapdError as exc:
         return {"text": f"Could not {action} {name}: {exc}", "plan": None, "error": exc.code}
-    verb = "Enabled" if action == "enable" else "Disabled"
-    text = f"{verb} {name}. Active now: {', '.join(plan.active) or 'none'}."
+    if action == "enable":
+        done = f"Enabled {name}." if name in plan.activated else f"{name} was already active."
+    else:
+        done = f"Disabled {name}." if name in plan.removed else f"{name} was not active."
+    unloaded = [n for n in plan.removed if n != name]  # evicted to make room, or gone from the taps
+    text = done + (f" Unloaded: {', '.join(unloaded)}." if unloaded else "") + \
+        f" Active now: {', '.join(plan.active) or 'none'}."
     return {"text": text, "plan": plan.as_dict()}

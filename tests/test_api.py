@@ -116,6 +116,22 @@ def test_errors_are_json_4xx(api: TestClient) -> None:
     assert api.post("/v1/discover", json={"intent": "x", "limit": 0}).status_code == 422
 
 
+def test_the_capability_tool_says_what_changed(tmp_path: Path) -> None:
+    """It answered "Disabled X." for X that was not active, and did not name what an enable evicted."""
+    settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash", max_active=1)
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        def call(action: str, name: str) -> str:
+            text = client.post("/v1/sessions/t/capability", json={"action": action, "name": name}).json()["text"]
+            return str(text)
+
+        assert call("enable", "filesystem-read") == "Enabled filesystem-read. Active now: filesystem-read."
+        assert call("enable", "filesystem-read") == "filesystem-read was already active. Active now: filesystem-read."
+        assert call("enable", "smalltalk") == ("Enabled smalltalk. Unloaded: filesystem-read. "
+                                               "Active now: smalltalk.")
+        assert call("disable", "filesystem-read") == "filesystem-read was not active. Active now: smalltalk."
+        assert call("disable", "smalltalk") == "Disabled smalltalk. Active now: none."
+
+
 def test_drop_session_and_capability_tool(api: TestClient) -> None:
     schema = api.get("/v1/capability-tool").json()
     assert schema["name"] == "capability"
