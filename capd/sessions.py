@@ -152,15 +152,20 @@ def _references(entry: ActiveCapability, server: str) -> bool:
     return any(s.name == server for s in entry.servers)
 
 
-def _canonical(server: ServerSnapshot) -> str:
-    """A snapshot as it compares across a restart: stored as JSON (``default=str``), read back with
-    lists for tuples and strings for TOML dates, so compared in that form."""
-    return json.dumps({"name": server.name, "tools": list(server.tools), "spec": server.spec}, sort_keys=True,
-                      default=str)
+def _stored_form(value: Any) -> str:
+    """``value`` as the session file holds it: JSON with ``default=str`` (read back with lists for
+    tuples and strings for TOML dates), so that a snapshot compares equal across a restart."""
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _same(a: ServerSnapshot, b: ServerSnapshot) -> bool:
+    """The same server, spec and tool grant (in memory they are usually equal as they stand)."""
+    return a == b or (a.name == b.name and _stored_form(list(a.tools)) == _stored_form(list(b.tools))
+                      and _same_spec(a, b))
 
 
 def _same_spec(a: ServerSnapshot, b: ServerSnapshot) -> bool:
-    return json.dumps(a.spec, sort_keys=True, default=str) == json.dumps(b.spec, sort_keys=True, default=str)
+    return a.spec == b.spec or _stored_form(a.spec) == _stored_form(b.spec)
 
 
 class _Change:
@@ -179,7 +184,7 @@ class _Change:
         plan restarts what changed, as a teardown of the old and a start of the new."""
         entry = self.active[capability.name]
         servers = _snapshot(capability)
-        if [_canonical(s) for s in servers] != [_canonical(s) for s in entry.servers]:
+        if len(servers) != len(entry.servers) or not all(map(_same, servers, entry.servers)):
             self.refreshed.setdefault(capability.name, entry)
             self.active[capability.name] = replace(entry, servers=servers)
 
@@ -217,13 +222,13 @@ class _Change:
             others = [o for o in final if o.name != name]
             for server in old.servers:
                 new = now.get(server.name)
-                if new is not None and _canonical(new) == _canonical(server):
+                if new is not None and _same(new, server):
                     continue
                 kept = (new is not None and _same_spec(new, server)) or any(
                     _same_spec(t, server) for o in others for t in o.servers if t.name == server.name)
                 teardown.append(TeardownItem(name, server.name, not kept, server.tools))
             start.extend(StartItem(name, s.spec, s.tools) for s in now.values()
-                         if s.name not in before or _canonical(before[s.name]) != _canonical(s))
+                         if s.name not in before or not _same(before[s.name], s))
         return Plan(tuple(start), tuple(teardown), tuple(a.name for a in final), tuple(self.added),
                     tuple(e.name for e in self.removed))
 
