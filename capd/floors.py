@@ -34,7 +34,7 @@ from xml.etree import ElementTree as ET
 
 from capd.errors import FixtureError, TapFileError
 from capd.settings import RULES
-from capd.taps import _line_of, parse_toml
+from capd.taps import _line_in_table, _line_of, parse_toml
 
 FLOORS_FILE = "floors.toml"
 _MINIMA = {"min_top1": "top1", "min_fired_right": "fired_right"}
@@ -53,13 +53,10 @@ class Floors:
 def _key_line(text: str, section: str, key: str) -> int | None:
     """The line of ``key = …`` inside the ``[section]`` table, else of ``[section.key]`` (or of a table
     under it, ``[section.key.kinds]``), else of the section's header (best effort, for error messages)."""
+    entry = _line_in_table(text, section, key)
+    if entry is not None:
+        return entry
     header = re.compile(rf"^[ \t]*\[\s*{re.escape(section)}\s*\]", re.M).search(text)
-    if header is not None:
-        following = re.compile(r"^[ \t]*\[", re.M).search(text, header.end())
-        body_end = following.start() if following else len(text)
-        entry = re.compile(rf"^[ \t]*[\"']?{re.escape(key)}[\"']?\s*=", re.M).search(text, header.end(), body_end)
-        if entry is not None:
-            return text.count("\n", 0, entry.start()) + 1
     table = re.compile(rf"^[ \t]*\[\s*{re.escape(section)}\.{re.escape(key)}\s*[.\]]", re.M).search(text)
     if table is not None:
         return text.count("\n", 0, table.start()) + 1

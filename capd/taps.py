@@ -161,6 +161,16 @@ def _line_of(text: str, key: str, start: int = 0, end: int | None = None) -> int
     return text.count("\n", 0, match.start()) + 1 if match else None
 
 
+def _line_in_table(text: str, table: str, key: str) -> int | None:
+    """The line of ``key = …`` among the ``[table]`` header's own lines; None without that header
+    or that key under it (``threshold`` in [gates] and in [gates.fused] are two lines)."""
+    header = re.compile(rf"^[ \t]*\[\s*{re.escape(table)}\s*\]", re.M).search(text)
+    if header is None:
+        return None
+    following = re.compile(r"^[ \t]*\[", re.M).search(text, header.end())
+    return _line_of(text, key, header.end(), following.start() if following else None)
+
+
 def _entry_line(text: str, array: str, index: int, key: str) -> int | None:
     """The line of ``key`` in the ``index``-th ``[[array]]`` table (its header line without the key)."""
     headers = list(re.finditer(rf"^[ \t]*\[\[\s*{re.escape(array)}\s*\]\]", text, re.M))
@@ -182,16 +192,10 @@ class _Checker:
         return TapFileError(self.path, f"{key} {reason}", self._line(key))
 
     def _line(self, key: str) -> int | None:
-        """The line of a dotted ``key``: within its table's lines when the table has a header
-        (``threshold`` in [gates] and in [gates.fused] are two lines), else its first mention."""
+        """The line of a dotted ``key``: within its table's lines when the table has a header, else
+        its first mention."""
         table, _, name = key.rpartition(".")
-        header = re.compile(rf"^[ \t]*\[\s*{re.escape(table)}\s*\]", re.M).search(self.text) if table else None
-        if header is not None:
-            following = re.compile(r"^[ \t]*\[", re.M).search(self.text, header.end())
-            within = _line_of(self.text, name, header.start(), following.start() if following else None)
-            if within is not None:
-                return within
-        return _line_of(self.text, name)
+        return (_line_in_table(self.text, table, name) if table else None) or _line_of(self.text, name)
 
     def table(self, parent: Mapping[str, Any], key: str, label: str | None = None) -> Mapping[str, Any]:
         value = parent.get(key, {})
