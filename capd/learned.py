@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from capd.catalog import Catalog
-from capd.state import advice, set_busy_timeout, tolerant_text
+from capd.state import advice, set_busy_timeout, stored_text, tolerant_text
 from capd.text import printable
 
 log = logging.getLogger(__name__)
@@ -522,24 +522,13 @@ def _usable(rows: Iterable[Sequence[Any]]) -> tuple[list[Learned], list[int]]:
     found: list[Learned] = []
     skipped: list[int] = []
     for index, (tap, capability, message, previous, session, created, kind) in enumerate(rows):
-        texts = all(map(_is_text, (tap, capability, message))) and all(
-            v is None or _is_text(v) for v in (previous, session))
+        texts = all(map(stored_text, (tap, capability, message))) and all(
+            v is None or stored_text(v) for v in (previous, session))
         if texts and kind in KINDS and isinstance(created, int | float) and math.isfinite(created):
             found.append(Learned(tap, capability, message, previous, session, float(created), kind))
         else:
             skipped.append(index)
     return found, skipped
-
-
-def _is_text(value: object) -> bool:
-    """A str that was valid UTF-8 in the file (:func:`capd.state.tolerant_text`)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def skipped_rows(path: Path, count: int) -> str:

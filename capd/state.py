@@ -114,6 +114,17 @@ def _encode(record: SessionRecord) -> str:
 _MALFORMED = (ValueError, KeyError, TypeError, OverflowError, RecursionError)
 
 
+def stored_text(value: object) -> bool:
+    """Whether a value read through :func:`tolerant_text` is text that was valid UTF-8 in the file."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def tolerant_text(value: bytes) -> str:
     """A TEXT value of a capd SQLite file (``text_factory``). Bytes that are not UTF-8 (a damaged row)
     failed the whole read; they come back with surrogates in their place, for the reader to skip the
@@ -125,12 +136,8 @@ def _decode(session: object, last_seen: float, next_seq: int, active: str) -> Se
     """Rebuild a record from a row; raises one of :data:`_MALFORMED` if it is malformed."""
     if not isinstance(session, str):  # a NULL id: sorting the ids failed the start
         raise TypeError(f"the session id is {type(session).__name__}, not text")
-    try:
-        for text in (session, active):
-            if isinstance(text, str):
-                text.encode()  # refuses the surrogates tolerant_text left for bytes that are not UTF-8
-    except UnicodeEncodeError:
-        raise ValueError("it holds text that is not UTF-8") from None
+    if not all(stored_text(text) for text in (session, active) if isinstance(text, str)):
+        raise ValueError("it holds text that is not UTF-8")
     entries: list[ActiveCapability] = []
     for item in json.loads(active):
         origin = item["origin"]
