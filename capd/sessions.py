@@ -34,11 +34,14 @@ Decisions where DESIGN.md is silent:
   changed across a restart are applied there too: a formerly pinned capability becomes
   ``manual``, and the LRU is trimmed to ``max_active``.
 - **Idle** (for ``ttl``): every call on a session except the reads (get, active_names,
-  sessions) touches it, including a failed tool result. A session idle past ``ttl`` is gone
+  sessions) touches it, including a failed tool result. A session idle past ``ttl`` has ended,
   whether or not the periodic sweep (:meth:`SessionRegistry.expire`, every 60 s in the
-  daemon) has dropped it yet: reads and tool results find no session, and a plan-returning
+  daemon) has seen it yet: reads and tool results find no session, and a plan-returning
   call starts it afresh, its plan tearing down what it had (pinned capabilities stay);
-  ``drop`` still returns that teardown.
+  ``drop`` still returns that teardown. The ended session's record is kept for
+  :data:`ENDED_KEPT` past its ``ttl`` so that this holds after the sweep too (an agent that
+  comes back to the id still runs the servers it was told to start); only then is it deleted,
+  and the id would start a session with nothing to tear down.
 - **Persistence failures** (:class:`~capd.errors.StateError` from the store) are logged, the
   registry keeps serving from the store's in-memory copy, and the next write retries.
 - ``{{ENV:…}}`` placeholders in server specs are passed through verbatim, never resolved.
@@ -67,6 +70,9 @@ log = logging.getLogger(__name__)
 # 1-128 of these characters, not all dots: "." and ".." name no session, only a path step.
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*")
 ActivationOrigin = Literal["auto", "manual"]
+# How long an ended session's record outlives its ttl (see the module docstring): long enough for an
+# agent left open over a holiday, short enough that the file does not keep every id ever used.
+ENDED_KEPT = 14 * 86400.0
 
 
 def check_session_id(session: str) -> str:
@@ -259,6 +265,7 @@ class SessionRegistry:
         self._locks: dict[str, _LockEntry] = {}
         self._locks_guard = threading.Lock()
         self._degraded = False
+        self._ended: set[str] = set()  # sessions whose end on_end has heard, their records still kept
         self._drop_invalid_ids()
         # Called as on_manual(session, name) after a manual activation that made name active, and as
         # on_disable(session, name) after a disable that removed an active capability (capd.learned listens).
@@ -344,8 +351,8 @@ class SessionRegistry:
             return self._commit(self._begin(session, catalog, now), now)
 
     def drop(self, session: str) -> Plan:
-        """Forget a session; the plan tears down everything it had (idle past ``ttl`` too, until
-        the sweep has dropped it). UnknownSession if absent."""
+        """Forget a session; the plan tears down everything it had (an ended session's too, while
+        its record is kept). UnknownSession if absent."""
         with self.locked(session):
             record = self.store.get(check_session_id(session))
             if record is None:
@@ -354,6 +361,7 @@ class SessionRegistry:
             for entry in record.active:
                 change.remove(entry.name)
             self._persist(self.store.delete, session)
+            self._ended.discard(session)
             self._notify(self.on_end, session)
             return change.plan()
 
@@ -379,21 +387,29 @@ class SessionRegistry:
         return tuple(a.name for a in _ordered(record.active)) if record else ()
 
     def sessions(self) -> tuple[str, ...]:
-        """The live sessions' ids (not those idle past ``ttl`` that the sweep has yet to drop)."""
+        """The live sessions' ids (not those idle past ``ttl``, whose records may still be kept)."""
         return tuple(session for session in self.store.ids() if self._record(session) is not None)
 
     def expire(self) -> list[str]:
-        """Drop sessions idle for longer than ``ttl``; returns their ids."""
+        """End the sessions idle for longer than ``ttl`` and return their ids (each session once);
+        delete the records of those idle for :data:`ENDED_KEPT` longer than that."""
         expired: list[str] = []
         for session in self.store.ids():
             with self.locked(session):
                 record = self.store.get(session)
-                if record is not None and self._idle(record, self._now()):
-                    self._persist(self.store.delete, session)
+                now = self._now()
+                if record is None or not self._idle(record, now):
+                    continue
+                if session not in self._ended:
                     self._notify(self.on_end, session)
                     expired.append(session)
+                if now - record.last_seen > self.ttl + ENDED_KEPT:
+                    self._persist(self.store.delete, session)
+                    self._ended.discard(session)
+                else:
+                    self._ended.add(session)
         if expired:
-            log.info("expired %d idle session(s): %s", len(expired), ", ".join(expired))
+            log.info("%d session(s) idle past the ttl ended: %s", len(expired), ", ".join(expired))
         return expired
 
     # -- internals ---------------------------------------------------------------------------------
@@ -419,13 +435,13 @@ class SessionRegistry:
                 self._persist(self.store.delete, session)
 
     def _record(self, session: str) -> SessionRecord | None:
-        """The session's record; None if there is none or it has been idle past ``ttl`` (left for
-        the sweep or the next plan, which tears its capabilities down: see the module docstring)."""
+        """The session's record; None if there is none or it has been idle past ``ttl`` (kept for
+        the next plan, which tears its capabilities down: see the module docstring)."""
         record = self.store.get(check_session_id(session))
         return None if record is None or self._idle(record, self._now()) else record
 
     def _idle(self, record: SessionRecord, now: float) -> bool:
-        """Idle for longer than ``ttl``: expired, whether or not the sweep has dropped it yet."""
+        """Idle for longer than ``ttl``: ended, whether or not the sweep has seen it yet."""
         return now - record.last_seen > self.ttl
 
     def _require(self, session: str) -> SessionRecord:
@@ -439,7 +455,9 @@ class SessionRegistry:
         expired = record is not None and self._idle(record, now)
         if expired:
             log.info("session %s was idle past the ttl: its capabilities are torn down", session)
-            self._notify(self.on_end, session)
+            if session not in self._ended:  # the sweep has not said so yet
+                self._notify(self.on_end, session)
+            self._ended.discard(session)
         if record is None:
             log.debug("session %s created", session)
             record = SessionRecord(session, now, 0)

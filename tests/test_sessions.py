@@ -13,7 +13,7 @@ import pytest
 
 from capd.catalog import Catalog
 from capd.errors import InvalidSessionId, PinnedCapability, UnknownCapability, UnknownSession
-from capd.sessions import Plan, SessionRegistry
+from capd.sessions import ENDED_KEPT, Plan, SessionRegistry
 from capd.state import FILENAME, SessionStore
 from capd.taps import load_catalog
 from tests.taputil import write_capability
@@ -585,6 +585,34 @@ def test_a_session_idle_past_ttl_is_gone_when_next_used(make: Make, clock: Clock
     assert [t.capability for t in registry.drop("s1").teardown] == ["docker"]
 
 
+def test_a_session_ended_by_the_sweep_still_tears_down_when_its_id_comes_back(make: Make, clock: Clock) -> None:
+    """The sweep used to delete an idle session, so an agent coming back to the id (still running
+    git's server) was told nothing to tear down, unlike just before the sweep. Its record is kept
+    for ENDED_KEPT past the ttl; only after that does the id start with nothing to tear down."""
+    registry = make(ttl=100, pinned=("docker",))
+    ended: list[str] = []
+    registry.on_end = ended.append
+    for session in ("back", "late", "gone"):
+        registry.activate(session, "git")
+    clock.tick(101)
+    assert registry.expire() == ["back", "gone", "late"] and ended == ["back", "gone", "late"]
+    assert registry.expire() == [] and len(ended) == 3  # each ends once
+    assert registry.sessions() == () and registry.active_names("back") == ()
+    with pytest.raises(UnknownSession):
+        registry.get("back")
+    plan = registry.activate("back", "github")
+    assert [t.capability for t in plan.teardown] == ["git"] and plan.activated == ("github",)
+    assert len(ended) == 3, "the sweep already ended it"
+    assert {t.capability for t in registry.drop("gone").teardown} == {"docker", "git"}
+    clock.tick(ENDED_KEPT - 2)
+    assert registry.expire() == ["back"]  # back's second conversation ended
+    assert registry.store.ids() == ("back", "late")  # late's record is still within ENDED_KEPT
+    clock.tick(3)
+    assert registry.expire() == [] and registry.store.ids() == ("back",)
+    fresh = registry.activate("late", "github")
+    assert fresh.teardown == () and set(fresh.activated) == {"docker", "github"}
+
+
 def test_a_session_says_when_it_ends(make: Make, clock: Clock) -> None:
     """``on_end`` (what forgets a session's turns for learning): dropped, swept after ttl, or found
     idle past ttl when next used; not while it lives."""
@@ -676,4 +704,4 @@ def test_stored_ids_an_older_capd_accepted_are_dropped(tmp_path: Path, catalogs:
     finally:
         store.close()
     with SessionStore(tmp_path / FILENAME) as reopened:  # dropped from the file, not only from memory
-        assert reopened.ids() == ()
+        assert reopened.ids() == ("agent-1",)  # ended, its record kept for ENDED_KEPT
