@@ -265,8 +265,11 @@ class SessionRegistry:
         self._locks: dict[str, _LockEntry] = {}
         self._locks_guard = threading.Lock()
         self._degraded = False
-        self._ended: set[str] = set()  # sessions whose end on_end has heard, their records still kept
         self._drop_invalid_ids()
+        # Sessions whose end has been told (on_end), their records still kept. Those found ended at
+        # the start ended under an earlier process: nothing here remembers their turns.
+        now = self._now()
+        self._ended: set[str] = {s for s in store.ids() if (r := store.get(s)) is not None and self._idle(r, now)}
         # Called as on_manual(session, name) after a manual activation that made name active, and as
         # on_disable(session, name) after a disable that removed an active capability (capd.learned listens).
         self.on_manual: Callable[[str, str], None] | None = None

@@ -613,6 +613,23 @@ def test_a_session_ended_by_the_sweep_still_tears_down_when_its_id_comes_back(ma
     assert fresh.teardown == () and set(fresh.activated) == {"docker", "github"}
 
 
+def test_sessions_that_ended_before_a_restart_are_not_ended_again(make: Make, clock: Clock) -> None:
+    """The sweep after a restart does not announce (or log) the kept records of sessions that had
+    ended already; they still tear down what they had when their id comes back."""
+    first = make(ttl=100)
+    first.activate("s1", "git")
+    clock.tick(101)
+    assert first.expire() == ["s1"]
+    first.activate("s2", "git")
+    clock.tick(101)
+    restarted = make(ttl=100)
+    ended: list[str] = []
+    restarted.on_end = ended.append
+    assert restarted.expire() == [] and ended == []
+    assert [t.capability for t in restarted.activate("s1", "docker").teardown] == ["git"]
+    assert [t.capability for t in restarted.activate("s2", "docker").teardown] == ["git"]
+
+
 def test_a_session_says_when_it_ends(make: Make, clock: Clock) -> None:
     """``on_end`` (what forgets a session's turns for learning): dropped, swept after ttl, or found
     idle past ttl when next used; not while it lives."""
@@ -700,7 +717,7 @@ def test_stored_ids_an_older_capd_accepted_are_dropped(tmp_path: Path, catalogs:
     registry = SessionRegistry(store, catalogs, clock=Clock(1000.0 + 10 * 86400))  # idle for ten days
     try:
         assert registry.store.ids() == ("agent-1",)
-        assert registry.sessions() == () and registry.expire() == ["agent-1"]
+        assert registry.sessions() == () and registry.expire() == []  # it ended before this start
     finally:
         store.close()
     with SessionStore(tmp_path / FILENAME) as reopened:  # dropped from the file, not only from memory
