@@ -22,7 +22,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -166,7 +166,7 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {_reason(e)}" for e in exc.errors())
         kind = request.headers.get("content-type", "")
         if request.method == "POST" and "json" not in kind.lower() and any(e["loc"] == ("body",) for e in exc.errors()):
             # `curl -d '{…}'` sends a form: the JSON is there, but not read as JSON
@@ -414,6 +414,15 @@ def _registry(request: Request) -> Any:
     if service.registry is None:
         raise ApiError(503, "no_sessions", "this service runs without sessions")
     return service.registry
+
+
+def _reason(error: Mapping[str, Any]) -> str:
+    """A validation error's message; a session id that breaks its pattern gets the rule in words,
+    as the session calls answer it, not the regular expression."""
+    ctx = error.get("ctx") or {}
+    if error.get("type") == "string_pattern_mismatch" and ctx.get("pattern") == SESSION_PATTERN:
+        return f"invalid session id: {InvalidSessionId.rule}"
+    return str(error["msg"])
 
 
 async def _route(service: Service, body: RouteBody) -> Response:

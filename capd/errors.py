@@ -144,11 +144,12 @@ class InvalidSessionId(CapdError, ValueError):
 
     code = "invalid_session_id"
 
+    rule = "use 1 to 128 characters of A-Z a-z 0-9 . _ : - (not only dots)"
+
     def __init__(self, session: str) -> None:
         self.session = session
         shown = session if len(session) <= 40 else session[:40] + "…"
-        super().__init__(f"invalid session id {shown!r}: use 1 to 128 characters of A-Z a-z 0-9 . _ : - "
-                         "(not only dots)")
+        super().__init__(f"invalid session id {shown!r}: {self.rule}")
 
 
 class ClientError(CapdError):

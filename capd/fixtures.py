@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from capd.errors import FixtureError
 from capd.text import surrogate_at
@@ -36,9 +37,26 @@ class Fixture:
         return bool(self.expect)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: ``{"expect": "git", "expect": null}`` would otherwise
+    silently be a null row (the last value wins)."""
+    row: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in row:
+            raise _DuplicateKey(key)
+        row[key] = value
+    return row
+
+
 def _parse_line(path: Path, number: int, line: str) -> Fixture:
     try:
-        row = json.loads(line)
+        row = json.loads(line, object_pairs_hook=_object)
+    except _DuplicateKey as exc:
+        raise FixtureError(path, f"key {exc.args[0]!r} given twice", number) from None
     except json.JSONDecodeError as exc:
         raise FixtureError(path, f"invalid JSON: {exc.msg}", number) from None
     except RecursionError:  # json recurses per nested array or object
@@ -109,4 +127,6 @@ def check_names(fixtures: Sequence[Fixture], known: Iterable[str]) -> None:
 
 
 def tap_fixture_files(tap: Path) -> list[Path]:
-    return sorted((tap / "fixtures").glob("*.jsonl"))
+    """The tap's ``fixtures/*.jsonl``, sorted; hidden ones (an editor's ``.#routing.jsonl`` lock, a
+    half-written ``.routing.jsonl``) are not fixtures, as hidden files are not tap files."""
+    return sorted(path for path in (tap / "fixtures").glob("*.jsonl") if not path.name.startswith("."))

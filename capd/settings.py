@@ -134,7 +134,17 @@ def _as_paths(value: object) -> tuple[Path, ...]:
         raise ValueError("must be a path or a list of paths")
     if not parts:  # no taps at all: every route would abstain, and health would still say ok
         raise ValueError(EMPTY)
-    return tuple(Path(p).expanduser() for p in parts)
+    # One tap named twice is loaded once, where first named: twice, each of its capabilities was
+    # a duplicate of itself (a warning each, and lint said so of every one).
+    unique: dict[Path, Path] = {}
+    for part in parts:
+        path = Path(part).expanduser()
+        try:
+            key = path.resolve()
+        except (OSError, RuntimeError):  # a symlink loop: the loader names the problem
+            key = path.absolute()
+        unique.setdefault(key, path)
+    return tuple(unique.values())
 
 
 def _as_names(value: object) -> tuple[str, ...]:

@@ -76,9 +76,11 @@ class Target:
     base: Path
 
 
-def target_for(settings: Settings, catalog: Catalog, recipe: Recipe = RECIPE) -> Target:
+def target_for(settings: Settings, catalog: Catalog, recipe: Recipe = RECIPE, stamp: bool = True) -> Target:
+    """What tuning ``catalog`` means. ``stamp=False`` hashes the weights without recording the check
+    in the data directory (so without creating it: ``capd tune --list`` only reads)."""
     groups = groups_for(catalog)
-    base = resolve(manifest_for(settings), settings.data_dir)
+    base = resolve(manifest_for(settings), settings.data_dir if stamp else None)
     return Target(tuning_key(base.weights_sha256, groups, recipe), groups, base.directory)
 
 

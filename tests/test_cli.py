@@ -312,13 +312,49 @@ def test_discover_says_why_it_found_nothing(tmp_path: Path) -> None:
     """At a terminal an empty list used to print nothing at all."""
     empty_tap = tmp_path / "empty"
     (empty_tap / "capabilities").mkdir(parents=True)
-    cases = [(str(octomind_tap(tmp_path)), "<system>only a tag</system>  ",
-              "the intent is empty once tags are removed"),
+    tap = str(octomind_tap(tmp_path))
+    cases = [(tap, "<system>only a tag</system>  ", "the intent is empty once tags are removed"),
+             (tap, "   ", "the intent is empty once tags are removed"),
              (str(empty_tap), "query a postgres table", "no capability is loaded")]
     for tap, intent, reason in cases:
         result = _capd("discover", intent, "--tap", tap, "--model", "hash", "--data-dir", str(tmp_path / "d"))
         assert result.exit_code == 0, result.output
         assert result.stdout == "" and result.stderr == f"no candidates: {reason}\n"
+
+
+def test_list_of_a_path_that_is_not_a_tap_fails(tmp_path: Path) -> None:
+    """It said so on stderr and exited 0 with an empty list, as if the tap were empty."""
+    for args in (["list", "--tap", str(tmp_path / "missing")], ["list", "--tap", str(tmp_path), "--json"]):
+        result = _capd(*args)
+        assert result.exit_code == 1 and result.stdout == "", result.output
+        assert "not a tap" in result.stderr
+
+
+def test_lint_and_test_take_the_taps_given_both_ways(tmp_path: Path) -> None:
+    """``capd lint A --tap B`` linted A alone, so CI passed a broken B; one tap named twice is one tap
+    (each of its capabilities was a duplicate of itself)."""
+    good, broken = octomind_tap(tmp_path / "a"), octomind_tap(tmp_path / "b")
+    (broken / "capabilities" / "smalltalk" / "config.toml").write_text("triggers = [\n")
+    result = _capd("lint", str(good), "--tap", str(broken), "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["taps"] == [str(good), str(broken)] and report["counts"]["error"] >= 1
+    twice = json.loads(_capd("lint", str(good), "--tap", str(good) + "/", "--json").stdout)
+    assert twice["taps"] == [str(good)] and twice["counts"]["warning"] == 0, twice
+
+
+def test_capd_test_skips_hidden_fixture_files(tmp_path: Path) -> None:
+    """An editor's lock (``.#routing.jsonl``, a dangling link) or half-written ``.routing.jsonl`` made
+    ``capd test`` fail; hidden files are not tap files."""
+    tap = octomind_tap(tmp_path / "tap")
+    fixtures = tap / "fixtures"
+    fixtures.mkdir()
+    (fixtures / "routing.jsonl").write_text(json.dumps({"message": "tell me a joke about cats", "expect": None}) + "\n")
+    (fixtures / ".#routing.jsonl").symlink_to("user@host.1234:1700000000")
+    (fixtures / ".routing.jsonl").write_text('{"message": "half wri')
+    result = _capd("test", str(tap), "--model", "hash", "--data-dir", str(tmp_path / "d"), "--json")
+    assert result.exit_code in (0, 1) and "cannot read" not in result.stderr, result.output
+    assert json.loads(result.stdout)["taps"][0]["metrics"]["n"] == 1
 
 
 # -- capd index with a data directory that cannot be written ------------------------------------------------
@@ -583,6 +619,11 @@ def test_an_empty_session_is_refused_by_list_as_by_route(serve: Serve) -> None:
     port = serve()
     listed = _capd("list", "--session", "", port=port)
     assert listed.exit_code == 1 and listed.stdout == "" and "422 invalid_request: query.session" in listed.stderr
+    # the rule in words, not the regular expression behind it
+    for args in (["list", "--session", "bad/id"], ["route", "hello there friend", "--session", "é"]):
+        refused = _capd(*args, port=port)
+        assert refused.exit_code == 1, refused.output
+        assert "invalid session id: use 1 to 128 characters" in refused.stderr and "pattern" not in refused.stderr
     with CapdClient(f"http://127.0.0.1:{port}") as client, pytest.raises(ApiError) as caught:
         client.capabilities(session="")
     assert caught.value.status == 422

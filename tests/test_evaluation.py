@@ -228,6 +228,14 @@ def test_a_fixture_message_with_a_lone_surrogate_names_its_line(tmp_path: Path) 
         load_fixtures([path])
 
 
+def test_a_fixture_key_given_twice_names_its_line(tmp_path: Path) -> None:
+    """JSON let the last value win: ``"expect": "git", …, "expect": null`` silently made a null row."""
+    path = tmp_path / "f.jsonl"
+    path.write_text('{"message": "fine", "expect": null}\n{"message": "x", "expect": "git", "expect": null}\n')
+    with pytest.raises(FixtureError, match=r"f.jsonl: line 2: key 'expect' given twice"):
+        load_fixtures([path])
+
+
 def test_a_fixture_row_nested_too_deeply_names_its_line(tmp_path: Path) -> None:
     """json's RecursionError came out of eval / test / calibrate as a traceback."""
     path = tmp_path / "f.jsonl"
@@ -248,10 +256,25 @@ def test_calibrate_without_a_positive_to_fit_on_recommends_and_writes_nothing(
     data = ["--model", "hash", "--data-dir", str(settings_factory().data_dir)]
     result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures", str(nulls), "--write", *data])
     assert result.exit_code == 1, result.output
-    assert "no positive row to fit on (0 positive rows in all" in result.output
+    assert "no positive row to fit on (0 positive rows in all" in result.stderr
     assert not (tap / "capd.toml").exists()
     result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures", str(nulls), "--json", *data])
     assert result.exit_code == 1 and json.loads(result.output)["recommended"] is None
+
+
+def test_calibrate_write_needs_the_tap_named(tmp_path: Path, settings_factory: SettingsFactory,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --tap, --write stored the gates in the taps of the settings: with none configured,
+    the shipped taps inside capd's own install. A write names its target."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    data = ["--model", "hash", "--data-dir", str(settings_factory().data_dir)]
+    monkeypatch.setenv("CAPD_TAPS", str(tap))
+    fixtures = str(tap / "fixtures" / "routing.jsonl")
+    result = CliRunner().invoke(main, ["calibrate", "--fixtures", fixtures, "--write", *data])
+    assert result.exit_code == 2 and "--write needs --tap" in result.stderr, result.output
+    assert not (tap / "capd.toml").exists()
+    result = CliRunner().invoke(main, ["calibrate", "--fixtures", fixtures, *data])  # no write: taps as configured
+    assert result.exit_code in (0, 1) and "fit on" in result.stdout, result.output
 
 
 def _tap_with_fixtures(tmp_path: Path, floors: str) -> Path:

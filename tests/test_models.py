@@ -276,10 +276,14 @@ def test_capd_models_text_and_verify(tmp_path: Path, bundled_dir: Path) -> None:
     weights.write_bytes(bytes(data))
     (tmp_path / "altered.toml").write_text(f"sha256 = '{MINILM_SHA}'\ndim = 384\n[source]\nkind = 'path'\n"
                                            f"value = '{copy}'\n")
-    rows = {r["name"]: r for r in json.loads(CliRunner().invoke(main, ["models", "--verify", "--json"],
-                                                                env=env).stdout)["models"]}
+    failed = CliRunner().invoke(main, ["models", "--verify", "--json"], env=env)
+    rows = {r["name"]: r for r in json.loads(failed.stdout)["models"]}
     assert rows["altered"]["verified"] is False and rows["altered"]["available"] is False
     assert "sha256" in rows["altered"]["reason"]
+    # a check that failed is an error for scripts (it used to exit 0), text or JSON
+    assert failed.exit_code == 1 and "the weights of altered do not match" in failed.stderr
+    assert CliRunner().invoke(main, ["models", "--verify"], env=env).exit_code == 1
+    assert CliRunner().invoke(main, ["models"], env=env).exit_code == 0  # no check, no failure
     # a stamp saying this very file (same stat) was verified: --verify hashes it all the same
     stamp = {str(weights.resolve()): {"stat": models._stat_key(weights), "sha256": MINILM_SHA}}
     (tmp_path / "data").mkdir(exist_ok=True)

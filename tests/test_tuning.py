@@ -35,7 +35,7 @@ from capd.tuned_models import MARKER, is_tuned, prune, tuned_dir
 from capd.tuner import target_for
 from capd.tuning import Batcher, batches, groups_for, pairs, publish, tuning_key
 from tests.conftest import isolated_data_dir
-from tests.taputil import write_capability
+from tests.taputil import octomind_tap, write_capability
 
 TRIGGERS = {
     "postgres": ["run a SQL query on the database", "show the tables in postgres",
@@ -287,6 +287,15 @@ def test_tune_list_says_when_a_marker_has_no_training_summary(tmp_path: Path) ->
     (tuned_dir(tmp_path, "ab12") / MARKER).write_text("{}")
     text = CliRunner().invoke(main, ["tune", "--data-dir", str(tmp_path), "--list"]).stdout
     assert "no training summary in its marker" in text and "None" not in text
+
+
+def test_tune_list_creates_no_data_directory(tmp_path: Path) -> None:
+    """A listing only reads: with a mistyped --data-dir it created the folder and a weights stamp in it."""
+    typo = tmp_path / "typo"
+    result = CliRunner().invoke(main, ["tune", "--list", "--tap", str(octomind_tap(tmp_path / "tap")),
+                                       "--data-dir", str(typo)])
+    assert result.exit_code == 0 and "no tuned model for these taps yet" in result.output, result.output
+    assert not typo.exists()
 
 
 # -- the real model -----------------------------------------------------------------------------

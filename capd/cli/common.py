@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -214,6 +214,15 @@ def emit_json(value: Any) -> None:
     as the ``NaN`` that JSON parsers reject."""
     click.echo(json.dumps(finite(value), indent=2, ensure_ascii=False, allow_nan=False, default=str))
 
+
+
+def check_taps(taps: Iterable[Path]) -> None:
+    """A one-shot command's taps must be taps: a daemon keeps waiting for a missing one, but a
+    command would list, route or score against nothing and look like an empty tap or an abstain."""
+    for tap in taps:
+        if not (Path(tap) / "capabilities").is_dir():
+            what = "no such directory" if not Path(tap).exists() else "no capabilities/ folder in it"
+            raise Failed(f"{tap}: not a tap ({what})")
 
 
 def tuning_not_done(reason: str) -> Failed:

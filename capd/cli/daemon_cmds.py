@@ -17,6 +17,7 @@ from capd.cli.common import (
     Failed,
     PathParam,
     build_settings,
+    check_taps,
     connection_options,
     daemon_only,
     emit_json,
@@ -119,6 +120,7 @@ def list_(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
         from capd.taps import load_catalog
 
         daemon_only(session=session, host=host, port=port, uds=uds)
+        check_taps(taps)
         catalog = load_catalog(taps)
         for problem in catalog.errors:
             stderr(str(problem))

@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from capd.cli.common import EXIT_ERROR, build_settings, emit_json, settings_options, stderr, tuning_not_done
+from capd.cli.common import (
+    EXIT_ERROR,
+    Failed,
+    build_settings,
+    emit_json,
+    settings_options,
+    stderr,
+    tuning_not_done,
+)
 from capd.errors import CapdError, ModelError
 from capd.models import ModelManifest, availability, load_manifests, manifest_for, resolve
 from capd.settings import RULES
@@ -241,9 +249,16 @@ def models(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, m
             rows.append({**row, "current": True})
         except ModelError as exc:
             rows.append({"name": settings.model, "current": True, "available": False, "reason": str(exc)})
+    failed = [row["name"] for row in rows if row.get("verified") is False]
     if as_json:
         emit_json({"models_dir": str(settings.models_dir), "current": settings.model, "models": rows})
-        return
+    else:
+        _print_models(rows)
+    if failed:  # a check that ran and failed (tampered or damaged weights), for scripts to see
+        raise Failed(f"--verify: the weights of {', '.join(failed)} do not match the manifest's sha256")
+
+
+def _print_models(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         mark = "*" if row["current"] else " "
         if "gates" not in row:

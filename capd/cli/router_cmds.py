@@ -14,6 +14,7 @@ from capd.cli.common import (
     Failed,
     PathParam,
     build_settings,
+    check_taps,
     connection_options,
     daemon_only,
     emit_json,
@@ -32,14 +33,11 @@ from capd.text import clean_message
 
 def _service(settings: Settings) -> Any:
     """An in-process service on ``settings.taps``; a tap path that is not a tap is an error here
-    (a daemon keeps waiting for it; a command would route against nothing and look like an abstain),
-    and so is a tuning that was asked for and did not happen (a daemon serves untuned meanwhile)."""
+    (:func:`check_taps`), and so is a tuning that was asked for and did not happen (a daemon serves
+    untuned meanwhile)."""
     from capd.service import Service
 
-    for tap in settings.taps:
-        if not (Path(tap) / "capabilities").is_dir():
-            what = "no such directory" if not Path(tap).exists() else "no capabilities/ folder in it"
-            raise Failed(f"{tap}: not a tap ({what})")
+    check_taps(settings.taps)
     service = Service(settings).start()
     tuning = service.tuning
     if tuning.enabled and tuning.status != "ready":
@@ -92,7 +90,7 @@ def discover(intent: str, config: Path | None, taps: tuple[Path, ...], data_dir:
     if as_json:
         emit_json({"candidates": candidates})
     elif not candidates:  # say why rather than print nothing (stderr: stdout stays the list, empty)
-        empty = not clean_message(intent, 0)[0]
+        empty = not clean_message(intent, 0)[0].strip()  # as Router.discover decides
         click.echo("no candidates: " + ("the intent is empty once tags are removed" if empty
                                         else "no capability is loaded"), err=True)
     else:
@@ -212,7 +210,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
     from capd.fixtures import check_names, load_fixtures, tap_fixture_files
     from capd.floors import check_floors, junit_xml, load_floors
 
-    base = build_settings(config, taps=tap_args or taps, data_dir=data_dir, model=model, backend=backend,
+    base = build_settings(config, taps=(*tap_args, *taps), data_dir=data_dir, model=model, backend=backend,
                           rule=rule)
     reports: list[dict[str, Any]] = []
     for tap in base.taps:
@@ -263,7 +261,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
 @_eval_options
 @click.option("--max-null-fpr", default=0.05, show_default=True, callback=share, help="Highest null_fpr allowed.")
 @click.option("--max-wrong", default=0.03, show_default=True, callback=share, help="Highest fired_wrong allowed.")
-@click.option("--write", is_flag=True, help="Store the recommended gates in <tap>/capd.toml.")
+@click.option("--write", is_flag=True, help="Store the recommended gates in <tap>/capd.toml (each --tap given).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
               backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, max_null_fpr: float,
@@ -276,6 +274,8 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     from capd.calibrate import calibrate as run_calibration
     from capd.fixtures import check_names, load_fixtures
 
+    if write and not taps:  # the configured taps could be the shipped ones, inside capd's own install
+        raise Failed("--write needs --tap: name the tap whose capd.toml gets the gates", EXIT_USAGE)
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
@@ -297,7 +297,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
             click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f}{coverage} "
                        f"{p['fired_right']:>11.3f} {p['fired_wrong']:>11.3f} {p['null_fpr']:>8.3f}")
         if point is None:
-            click.echo(report.get("error") or "no gate setting meets the limits")
+            click.echo(report.get("error") or "no gate setting meets the limits", err=True)
         else:
             coverage = f", coverage {point['coverage']:.2f}" if fused else ""
             click.echo(f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, "

@@ -23,7 +23,7 @@ def lint(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...]
 
     Example: capd lint taps/core
     """
-    settings = build_settings(config, taps=tap_args or taps, data_dir=data_dir, model=model, backend=backend)
+    settings = build_settings(config, taps=(*tap_args, *taps), data_dir=data_dir, model=model, backend=backend)
     catalog = load_catalog(settings.taps)
     problems = lint_catalog(catalog)
     if embeddings:

@@ -74,7 +74,8 @@ def _list(settings: Settings, as_json: bool) -> None:
 
     wanted, too_few = None, False  # the hash model is never tuned: no tuned model is the taps' own
     if settings.taps and settings.model != HASH_MODEL:
-        target = target_for(settings, load_catalog(settings.taps))
+        # a listing creates nothing: with no data directory there is no check to record, nor a tuned model
+        target = target_for(settings, load_catalog(settings.taps), stamp=settings.data_dir.is_dir())
         too_few = len(target.groups) < 2  # `capd tune` would refuse: never advise it
         wanted = None if too_few else target.key
     rows = [{**row, "current": row["key"] == wanted} for row in listing(settings.data_dir)]
