@@ -254,7 +254,8 @@ class LearnedStore:
     def record(self, tap: Path | str, capability: str, message: str, previous: str | None = None,
                session: str | None = None, kind: str = "trigger") -> bool:
         """Store one correction (replacing one of the other kind), dropping the capability's oldest
-        of that kind beyond :attr:`limit`; False when it was already known. When the file will not
+        of that kind beyond :attr:`limit`; False when it was already known (it is then dated anew,
+        so that it counts as the latest). When the file will not
         take it, it is kept in memory (used all the same, listed in :attr:`error`) until a later
         write or :meth:`version` check stores it."""
         if kind not in KINDS:
@@ -288,14 +289,18 @@ class LearnedStore:
             # The clock went back (or another process's runs ahead): a correction dated before the ones
             # kept was the oldest, and dropped at once by the limit below, though it is the newest.
             entry = replace(entry, created=math.nextafter(float(latest), math.inf))
-        cursor = conn.execute(
+        known = conn.execute("SELECT kind FROM learned WHERE tap = ? AND capability = ? AND message = ?",
+                             (entry.tap, entry.capability, entry.message)).fetchone()
+        # Taught again, it becomes the latest of its kind: the limit below drops the corrections
+        # agents stopped making, not the ones they keep making.
+        conn.execute(
             "INSERT INTO learned (tap, capability, message, previous, session, created, kind) "
             "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tap, capability, message) DO UPDATE SET "
             "kind = excluded.kind, previous = excluded.previous, session = excluded.session, "
-            "created = excluded.created WHERE learned.kind != excluded.kind",
+            "created = excluded.created",
             (entry.tap, entry.capability, entry.message, entry.previous, entry.session, entry.created, entry.kind))
-        if cursor.rowcount == 0:
-            return False
+        if known is not None and known[0] == entry.kind:
+            return False  # routing does not change
         dropped = conn.execute(
             "DELETE FROM learned WHERE tap = ? AND capability = ? AND kind = ? AND rowid NOT IN ("
             "SELECT rowid FROM learned WHERE tap = ? AND capability = ? AND kind = ? "
@@ -311,6 +316,7 @@ class LearnedStore:
         with self._lock:
             held = self._unsaved.get(key)
             if held is not None and held.kind == entry.kind:
+                self._unsaved[key] = replace(held, created=entry.created)  # the latest, as in the file
                 return False
             if held is None:
                 with contextlib.suppress(sqlite3.Error):  # reading usually still works: the file may know it
@@ -493,15 +499,20 @@ class LearnedStore:
 
 
 def _read_only_rows(path: Path) -> list[tuple[Any, ...]]:
-    """Every row of a learned file opened read-only. A WAL file closed cleanly has no ``-shm`` beside
-    it, and in a read-only directory SQLite cannot create one, so ``mode=ro`` alone fails ("unable to
-    open database file": the corrections were hidden); ``immutable=1`` reads the file as it is then.
-    The path is quoted: ``#``, ``?`` or ``%`` in a data directory's name would otherwise cut the URI."""
-    uri = f"file:{urllib.parse.quote(str(path.absolute()))}?mode=ro"
-    try:
-        return _rows(uri)
-    except sqlite3.OperationalError:
-        return _rows(uri + "&immutable=1")
+    """Every row of a learned file, read without writing to it. Any reader of a WAL file makes a
+    ``-wal`` and ``-shm`` beside it; a connection that may write (``mode=rw``, which never creates
+    the file) removes them as the last one to close, where a read-only one left them behind. Where
+    it cannot write, ``mode=ro``; and where SQLite cannot even create the ``-shm`` (a read-only
+    directory: "unable to open database file", the corrections were hidden), ``immutable=1`` reads
+    the file as it is. The path is quoted: ``#``, ``?`` or ``%`` in a data directory's name would
+    otherwise cut the URI."""
+    uri = f"file:{urllib.parse.quote(str(path.absolute()))}"
+    for mode in ("?mode=rw", "?mode=ro"):
+        try:
+            return _rows(uri + mode)
+        except sqlite3.OperationalError:
+            pass
+    return _rows(uri + "?mode=ro&immutable=1")
 
 
 def _rows(uri: str) -> list[tuple[Any, ...]]:
@@ -613,17 +624,23 @@ class Corrections:
     def enabled(self, session: str, name: str) -> Turn | None:
         """The turn that enabling ``name`` corrects, or None: the session's latest routed turn,
         once. It stays, marked corrected, so that enabling again (or after a disable) does not
-        reach back to older turns: toggling a capability taught it every recent message."""
+        reach back to older turns: toggling a capability taught it every recent message.
+
+        The capability routing activated is the exception: after the agent refused it, each
+        enable and disable of it is the agent's last word (a trigger, then an abstain again, …)."""
         with self._lock:
             found = self._latest(session)
             if found is None:
                 return None
             turns, index = found
             turn = turns[index]
+            if turn.capability == name and turn.decision in ("activate", "already_active"):
+                if not turn.refused:
+                    return None  # routing already chose it: nothing to learn
+                turns[index] = replace(turn, refused=False, corrected=True)
+                return turn
             if turn.corrected:
                 return None  # the latest turn was corrected already
-            if turn.capability == name and turn.decision in ("activate", "already_active") and not turn.refused:
-                return None  # routing already chose it: nothing to learn
             turns[index] = replace(turn, corrected=True)
             return turn
 

@@ -72,6 +72,10 @@ def test_each_capability_keeps_its_latest_corrections_of_each_kind(tmp_path: Pat
     assert not store.record(CORE, "docker", "stuck agent turn 5", "abstain", "s")  # known: nothing dropped
     assert store.for_tap(CORE) == {"docker": ("stuck agent turn 3", "stuck agent turn 4", "stuck agent turn 5"),
                                    "git": ("undo my last save point",)}
+    # taught again, turn 3 is the latest: the next one drops turn 4, not the correction agents repeat
+    assert not store.record(CORE, "docker", "stuck agent turn 3", "abstain", "s")
+    assert store.record(CORE, "docker", "stuck agent turn 6", "abstain", "s")
+    assert set(store.for_tap(CORE)["docker"]) == {"stuck agent turn 3", "stuck agent turn 5", "stuck agent turn 6"}
     assert store.for_tap(CORE, "abstain") == {"docker": (CHATTER,)}
     store.close()
     assert len(LearnedStore.open(tmp_path, limit=3).entries()) == 5  # durable, as trimmed
@@ -337,6 +341,19 @@ def test_a_disable_refuses_only_the_turn_that_just_activated_it() -> None:
     assert turns.disabled("unknown", "x") is None
 
 
+def test_the_agents_last_word_on_what_routing_activated_wins() -> None:
+    """Disable, enable, disable again: the second disable taught nothing, so the enable's trigger
+    stayed although the agent's last word was a refusal. Each word on the winner now counts."""
+    turns = Corrections(window=3)
+    turns.routed("s", "open a pull request for this branch", "activate", "github")
+    words = [("disable", True), ("enable", True), ("disable", True), ("disable", False), ("enable", True),
+             ("enable", False)]
+    for word, teaches in words:
+        turn = turns.disabled("s", "github") if word == "disable" else turns.enabled("s", "github")
+        assert (turn is not None) == teaches, word
+    assert turns.enabled("s", "git") is None  # the turn was corrected already: no other capability learns
+
+
 def test_enable_and_disable_teach_the_same_in_either_order() -> None:
     """Routing activated A and the agent wanted B: disabling A then enabling B recorded both, but
     enabling B first marked the turn corrected and the disable of A was no longer learned."""
@@ -447,6 +464,9 @@ def test_cli_lists_exports_and_forgets(tmp_path: Path) -> None:
     assert forgot.exit_code == 0, forgot.output
     assert json.loads(forgot.output) == {"forgotten": 1, "daemon_reloaded": False}
     assert [e.capability for e in LearnedStore.open(tmp_path).entries()] == ["docker", "memory"]
+    misspelt = runner.invoke(main, ["learned", "forget", "dokcer", "--data-dir", str(tmp_path)], env={"CAPD_PORT": "1"})
+    assert misspelt.exit_code == 0 and misspelt.stdout == "forgot 0 learned examples\n"
+    assert "nothing learned matches" in misspelt.stderr
 
 
 def test_a_learning_pass_after_close_does_nothing(settings_factory: SettingsFactory, tmp_path: Path) -> None:
@@ -625,6 +645,10 @@ def test_a_tap_is_one_tap_however_its_path_is_spelled(tmp_path: Path) -> None:
                                                  "git": ("undo that commit",)}
     assert store.forget(tap=real, capability="git") == 1
     store.close()
+    # one tap named twice, under two spellings, is listed once
+    twice = ["learned", "list", "--json", "--data-dir", str(tmp_path / "data"), "--tap", str(real),
+             "--tap", str(tmp_path / "link")]
+    assert json.loads(CliRunner().invoke(main, twice).output)["count"] == 2
 
 
 def test_export_is_valid_toml_whatever_it_holds(tmp_path: Path) -> None:
@@ -689,6 +713,9 @@ def test_learned_list_and_export_only_read_the_file(tmp_path: Path) -> None:
         assert listed.exit_code == 0 and MISS in listed.output
     assert (empty / "learned.sqlite3").stat().st_size == 0
     assert (held / "learned.sqlite3").read_bytes() == before
+    # nothing left beside the file either (a read-only connection left a -wal and a -shm)
+    assert sorted(p.name for p in held.iterdir() if p.name.startswith("learned")) == ["learned.sqlite3"]
+    assert sorted(p.name for p in empty.iterdir()) == ["learned.sqlite3"]
 
 
 def test_a_correction_recorded_while_a_learning_pass_publishes_is_routed_with(

@@ -53,6 +53,15 @@ def _tap(tap: Path | None) -> str | None:
     return str(tap.expanduser().absolute()) if tap is not None else None
 
 
+def _distinct(taps: tuple[Path, ...]) -> list[Path | None]:
+    """The taps given, each once however spelt (``taps/x``, ``taps/x/``, a link to it: one tap, as
+    corrections are keyed); ``[None]`` (every tap) when none is given."""
+    unique: dict[str, Path] = {}
+    for tap in taps:
+        unique.setdefault(canonical_tap(tap), tap)
+    return [*unique.values()] or [None]
+
+
 @click.group()
 def learned() -> None:
     """Corrections capd learned: list them, forget them, export them as suggested triggers.
@@ -76,7 +85,7 @@ def list_learned(config: Path | None, taps: tuple[Path, ...], data_dir: Path | N
     settings = build_settings(config, data_dir=data_dir)
     store = _store(settings)
     entries: list[Learned] = []
-    for tap in taps or (None,):
+    for tap in _distinct(taps):
         entries += store.entries(tap=_tap(tap), capability=capability)
     if as_json:
         emit_json({"learned": [e.as_dict() for e in entries], "count": len(entries)})
@@ -117,7 +126,7 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
     if store.error is not None:  # forgetting in memory would say "forgot N" and change nothing
         store.close()
         raise Failed(store.error.replace("; keeping them in memory", ""))
-    removed = sum(store.forget(tap=_tap(tap), capability=capability, message=message) for tap in taps or (None,))
+    removed = sum(store.forget(tap=_tap(tap), capability=capability, message=message) for tap in _distinct(taps))
     store.close()
     reloaded = False
     if removed:
@@ -132,6 +141,8 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
     else:
         note = "; the running daemon reloaded" if reloaded else ""
         click.echo(f"forgot {removed} learned example{'s' if removed != 1 else ''}{note}")
+        if not removed:  # a misspelt name or message matches nothing: say where to look
+            click.echo("nothing learned matches; `capd learned list` shows what there is", err=True)
 
 
 @learned.command()
@@ -146,7 +157,7 @@ def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, f
     settings = build_settings(config, data_dir=data_dir)
     store = _store(settings)
     grouped: dict[tuple[str, str], dict[str, list[str]]] = {}
-    for tap in dict.fromkeys(taps) or (None,):
+    for tap in _distinct(taps):
         for entry in store.entries(tap=_tap(tap)):
             key = "add_triggers" if entry.kind == "trigger" else "refused_messages"
             messages = grouped.setdefault((canonical_tap(entry.tap), entry.capability), {}).setdefault(key, [])
