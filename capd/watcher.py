@@ -89,6 +89,11 @@ class _Queue(FileSystemEventHandler):
         # or removed (a log, an editor's swap file), and the tap itself coming or going has its own event.
         if event.event_type in _ANCESTOR_EVENTS:
             inside += [tap for tap in self.taps if any(p in tap.parents for p in paths)]
+        if event.event_type in ("deleted", "moved"):
+            # A tap (or a folder above it) deleted or moved away takes its watch along. One created
+            # again at once can get the same inode number back, which alone looked like the folder
+            # still watched: its watch is made anew whatever the inode says.
+            self.watcher.renew(paths)
         if inside:
             self.watcher.notify(inside)
 
@@ -137,6 +142,7 @@ class TapWatcher:
         self._handler: _Queue | None = None
         self._watches: dict[Path, tuple[int, Any]] = {}  # a tap -> its inode and recursive watch
         self._above: dict[Path, tuple[int, Any]] = {}  # the nearest existing folder above a tap -> the same
+        self._renew: set[Path] = set()  # folders deleted or moved away since: watched anew (:meth:`renew`)
         self._observing = threading.Lock()  # an observer is replaced (notifications -> polling) or stopped
         self.polling = False  # notifications could not be set up: the taps are scanned instead
         self._overflow = _Overflow(self)
@@ -263,14 +269,24 @@ class TapWatcher:
             self._thread = threading.Thread(target=self._run, name="capd-watcher", daemon=True)
             self._thread.start()
 
+    def renew(self, paths: Iterable[Path]) -> None:
+        """``paths`` were deleted or moved away: a watched folder among them, or under one, is
+        watched anew at the next check, even if a folder of that name with the same inode number
+        is there by then (its watch went with the old folder)."""
+        with self._lock:
+            self._renew.update(paths)
+
     def _watch_taps(self) -> list[Path]:
         """Bring the watches in line with the file system: each existing tap recursively (again
         if it was deleted and created anew), and the nearest existing folder above each tap.
         Returns the taps that are watched anew (they appeared)."""
-        self._rewatch(self._above, {_nearest_dir(tap.parent) for tap in self._taps}, recursive=False)
-        return self._rewatch(self._watches, {tap for tap in self._taps if tap.is_dir()}, recursive=True)
+        with self._lock:
+            renew, self._renew = self._renew, set()
+        self._rewatch(self._above, {_nearest_dir(tap.parent) for tap in self._taps}, False, renew)
+        return self._rewatch(self._watches, {tap for tap in self._taps if tap.is_dir()}, True, renew)
 
-    def _rewatch(self, table: dict[Path, tuple[int, Any]], wanted: set[Path], recursive: bool) -> list[Path]:
+    def _rewatch(self, table: dict[Path, tuple[int, Any]], wanted: set[Path], recursive: bool,
+                 renew: set[Path]) -> list[Path]:
         inodes = {}
         for directory in wanted:
             try:
@@ -278,7 +294,8 @@ class TapWatcher:
             except OSError:
                 continue
         for directory, (inode, watch) in list(table.items()):
-            if inodes.get(directory) != inode:  # gone, or a new folder under the same name
+            renewed = directory in renew or any(parent in renew for parent in directory.parents)
+            if inodes.get(directory) != inode or renewed:  # gone, or a new folder under the same name
                 with contextlib.suppress(KeyError, OSError):  # the kernel may have dropped it already
                     self._observer.unschedule(watch)
                 del table[directory]

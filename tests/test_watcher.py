@@ -230,6 +230,89 @@ def test_tap_deleted_and_created_anew_is_watched_again(tmp_path: Path) -> None:
         watcher.stop()
 
 
+def test_a_tap_deleted_and_created_again_at_once_is_watched_again(tmp_path: Path) -> None:
+    """Created again at once, the folder got the inode number of the deleted one back (ext4 reuses
+    it), so the watcher took it for the folder it watched, whose watch had gone with it: every later
+    edit was ignored until a restart."""
+    service, tap = _service(tmp_path)
+    backup = tmp_path / "backup"
+    shutil.copytree(tap, backup, symlinks=True)
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        for round_ in range(3):
+            inode = tap.stat().st_ino
+            shutil.rmtree(tap)
+            tap.mkdir()  # before the watcher's next check sees the tap gone
+            shutil.copytree(backup, tap, symlinks=True, dirs_exist_ok=True)
+            name = f"late-arrival-{round_}"
+            time.sleep(0.5)  # the re-created tap is seen (an event, or the next check)
+            write_capability(tap, name, [f"a capability added after round {round_}"])
+            assert _wait(lambda name=name: name in service.catalog_now()), (round_, inode, tap.stat().st_ino)
+            shutil.rmtree(backup)
+            shutil.copytree(tap, backup, symlinks=True)
+    finally:
+        watcher.stop()
+
+
+def test_edits_under_a_linked_capabilities_folder_go_live(tmp_path: Path) -> None:
+    """``capabilities/`` a link to a folder of the tap: watchers report edits under the real path,
+    which matched no capability folder, so they never went live (a rescan found them)."""
+    service, tap = _service(tmp_path)
+    (tap / "capabilities").rename(tap / "src")
+    os.symlink("src", tap / "capabilities")
+    watcher = TapWatcher(service)
+    watcher.apply_changes([tap / "capabilities"])
+    assert len(service.catalog_now()) == 5
+    (tap / "src" / "smalltalk" / "config.toml").write_text('triggers = ["tell me a joke", "say something funny"]\n')
+    report = watcher.apply_changes([tap / "src" / "smalltalk" / "config.toml"])
+    assert report["changed"] == ["smalltalk"]
+    assert service.catalog_now().capabilities["smalltalk"].triggers == ("tell me a joke", "say something funny")
+
+
+def test_retargeting_a_folder_link_on_the_way_to_a_file_reloads_it(tmp_path: Path) -> None:
+    """``default.toml -> ../../links/prov/pg.toml`` with ``links/prov -> ../releases/p1``: retargeting
+    ``links/prov`` changed what the capability reads, but neither path was recorded as its link."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    for release in ("p1", "p2"):
+        (tap / "releases" / release).mkdir(parents=True)
+        (tap / "releases" / release / "pg.toml").write_text(f"# Title: Postgres {release}\n{POSTGRES_PROVIDER}")
+    (tap / "links").mkdir()
+    os.symlink("../releases/p1", tap / "links" / "prov")
+    folder = write_capability(tap, "pg", ["query the postgres database"])
+    os.symlink("../../links/prov/pg.toml", folder / "default.toml")
+    watcher.apply_changes([folder])
+    assert service.catalog_now().capabilities["pg"].title == "Postgres p1"
+    (tap / "links" / "prov").unlink()
+    os.symlink("../releases/p2", tap / "links" / "prov")
+    assert watcher.apply_changes([tap / "links" / "prov"])["changed"] == ["pg"]
+    assert service.catalog_now().capabilities["pg"].title == "Postgres p2"
+    (tap / "releases" / "p2" / "pg.toml").write_text(f"# Title: Postgres p2.1\n{POSTGRES_PROVIDER}")
+    assert watcher.apply_changes([tap / "releases" / "p2" / "pg.toml"])["changed"] == ["pg"]
+    assert service.catalog_now().capabilities["pg"].title == "Postgres p2.1"
+
+
+def test_a_capability_folder_link_that_breaks_keeps_the_last_good_version(tmp_path: Path) -> None:
+    """A folder link retargeted to nothing (a typo) dropped the capability, where a broken file keeps
+    the last good version; the error names the link either way."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    (tap / "shared" / "notes-v1").mkdir(parents=True)
+    (tap / "shared" / "notes-v1" / "config.toml").write_text('triggers = ["read my release notes"]\n')
+    os.symlink("../shared/notes-v1", tap / "capabilities" / "notes")
+    watcher.apply_changes([tap / "capabilities" / "notes"])
+    assert "notes" in service.catalog_now()
+    (tap / "capabilities" / "notes").unlink()
+    os.symlink("../shared/notes-v2", tap / "capabilities" / "notes")
+    watcher.apply_changes([tap / "capabilities" / "notes"])
+    assert service.catalog_now().capabilities["notes"].triggers == ("read my release notes",)
+    assert any("notes-v2" in e["reason"] and "does not exist" in e["reason"] for e in service.health()["errors"])
+    (tap / "capabilities" / "notes").unlink()  # removed on purpose: gone
+    watcher.apply_changes([tap / "capabilities" / "notes"])
+    assert "notes" not in service.catalog_now() and service.health()["errors"] == []
+
+
 @pytest.mark.parametrize("at_start", ["present", "missing"])
 def test_a_tap_whose_parent_is_deleted_and_created_again_is_watched_again(tmp_path: Path, at_start: str) -> None:
     """The repository holding a tap cloned afresh (the tap's parent deleted and created again), or a
