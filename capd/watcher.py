@@ -299,10 +299,15 @@ class TapWatcher:
                 with contextlib.suppress(KeyError, OSError):  # the kernel may have dropped it already
                     self._observer.unschedule(watch)
                 del table[directory]
-        added = [d for d in inodes if d not in table]
-        for directory in added:
-            table[directory] = (inodes[directory], self._observer.schedule(
-                self._handler, str(directory), recursive=recursive, event_filter=_EVENTS))
+        added = []
+        for directory in [d for d in inodes if d not in table]:
+            try:
+                watch = self._observer.schedule(self._handler, str(directory), recursive=recursive,
+                                                event_filter=_EVENTS)
+            except FileNotFoundError:  # gone again since the stat: the next check watches it if it is back
+                continue  # (not a limit reached: scanning everything instead would be for nothing)
+            table[directory] = (inodes[directory], watch)
+            added.append(directory)
         return added
 
     def stop(self) -> None:

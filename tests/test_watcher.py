@@ -255,6 +255,33 @@ def test_a_tap_deleted_and_created_again_at_once_is_watched_again(tmp_path: Path
         watcher.stop()
 
 
+def test_a_tap_gone_again_before_its_watch_is_set_is_watched_at_the_next_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleted between the check's stat and its watch (ENOENT from inotify): that was taken for the
+    watch limit reached, and the watcher scanned every tap from then on, advising a sysctl."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service, debounce=0.1)
+    watcher.start()
+    try:
+        schedule = watcher._observer.schedule
+        calls = {"refused": 0}
+
+        def gone_once(handler: object, path: str, **kwargs: object) -> object:
+            if path == str(tap) and not calls["refused"]:
+                calls["refused"] += 1
+                raise OSError(errno.ENOENT, os.strerror(errno.ENOENT))  # what inotify_add_watch raises
+            return schedule(handler, path, **kwargs)
+
+        monkeypatch.setattr(watcher._observer, "schedule", gone_once)
+        watcher.renew([tap])  # as after a delete event: the tap is watched anew at the next check
+        assert _wait(lambda: calls["refused"] == 1)
+        write_capability(tap, "late-arrival", ["a capability added after the watch was set again"])
+        assert _wait(lambda: "late-arrival" in service.catalog_now())
+        assert not watcher.polling and service.health()["errors"] == []
+    finally:
+        watcher.stop()
+
+
 def test_edits_under_a_linked_capabilities_folder_go_live(tmp_path: Path) -> None:
     """``capabilities/`` a link to a folder of the tap: watchers report edits under the real path,
     which matched no capability folder, so they never went live (a rescan found them)."""
