@@ -269,9 +269,11 @@ class LearnedStore:
                 log.error("cannot record a learned example for %s: %s", capability, exc)
                 return False
             return self._hold(entry, exc)
-        if stored and not self.persistent and self.path is not None:
+        if not self.persistent and self.path is not None:
             with self._lock:
-                self._learned_in_memory[(entry.tap, entry.capability, entry.message)] = entry
+                key = (entry.tap, entry.capability, entry.message)
+                if stored or key in self._learned_in_memory:  # new, or taught again: dated anew
+                    self._learned_in_memory[key] = entry
         self._store_unsaved()
         return stored
 
