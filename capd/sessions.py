@@ -28,9 +28,11 @@ Decisions where DESIGN.md is silent:
   that another remaining capability also grants stays.
 - **Snapshots**: servers, tools and specs are copied at activation, so teardown matches what
   was started even after the tap changes. A deleted capability is torn down by the session's
-  next plan. An edited one (a server's spec or tool grant changed) is refreshed by it: the plan
-  tears down each server that changed as it was started (``kill`` when no other capability of
-  the session runs it with the old spec and the new spec differs) and starts it as it now is. Settings that
+  next plan. An edited one (a server's spec or tool grant changed) is refreshed by it. A changed
+  grant alone strips the old tools and adds the new (no ``kill``). A changed spec restarts the
+  server for the whole session: one teardown item per capability running on it (the last one
+  ``kill``), then a start item for each, an edited capability first, so that its new spec is the
+  one started and every capability still has its tools. Settings that
   changed across a restart are applied there too: a formerly pinned capability becomes
   ``manual``, and the LRU is trimmed to ``max_active``.
 - **Idle** (for ``ttl``): every call on a session except the reads (get, active_names,
@@ -211,6 +213,17 @@ class _Change:
     def unpinned(self) -> list[ActiveCapability]:
         return [a for a in self.active.values() if a.origin != "pinned"]
 
+    def _restarts(self) -> list[str]:
+        """The servers whose spec a refreshed capability changed (a version bump in ``args``)."""
+        names: list[str] = []
+        for name, old in self.refreshed.items():
+            now = {s.name: s for s in self.active[name].servers}
+            for server in old.servers:
+                new = now.get(server.name)
+                if new is not None and not _same_spec(new, server) and server.name not in names:
+                    names.append(server.name)
+        return names
+
     def record(self, now: float) -> SessionRecord:
         return SessionRecord(self.session, now, self.next_seq, _ordered(self.active.values()))
 
@@ -222,19 +235,28 @@ class _Change:
             teardown.extend(TeardownItem(entry.name, s.name, not any(_references(o, s.name) for o in still), s.tools)
                             for s in entry.servers)
         start = [StartItem(name, s.spec, s.tools) for name in self.added for s in self.active[name].servers]
+        restart = self._restarts()
         for name, old in self.refreshed.items():
             now = {s.name: s for s in self.active[name].servers}
             before = {s.name: s for s in old.servers}
-            others = [o for o in final if o.name != name]
-            for server in old.servers:
+            for server in old.servers:  # a grant changed (old tools off, new on), or the server is dropped
                 new = now.get(server.name)
-                if new is not None and _same(new, server):
-                    continue
-                kept = (new is not None and _same_spec(new, server)) or any(
-                    _same_spec(t, server) for o in others for t in o.servers if t.name == server.name)
-                teardown.append(TeardownItem(name, server.name, not kept, server.tools))
+                if server.name not in restart and (new is None or not _same(new, server)):
+                    last = new is None and not any(_references(o, server.name) for o in final)
+                    teardown.append(TeardownItem(name, server.name, last, server.tools))
             start.extend(StartItem(name, s.spec, s.tools) for s in now.values()
-                         if s.name not in before or not _same(before[s.name], s))
+                         if s.name not in restart and (s.name not in before or not _same(before[s.name], s)))
+        for restarted in restart:
+            # One process per server name: it is restarted for every capability that runs on it, each
+            # one's tools stripped (the last item kills it) and added again, a refreshed capability
+            # first, so that its new spec is the one started. Restarted for the refreshed capability
+            # alone, the others lost their tools when it was killed, or kept running the old spec.
+            users = [o for o in final if o.name not in self.added]
+            running = [(o.name, t) for o in users for t in self.refreshed.get(o.name, o).servers if t.name == restarted]
+            teardown.extend(TeardownItem(name, restarted, i == len(running) - 1, t.tools)
+                            for i, (name, t) in enumerate(running))
+            first = sorted(users, key=lambda o: o.name not in self.refreshed)  # stable: in session order
+            start.extend(StartItem(o.name, t.spec, t.tools) for o in first for t in o.servers if t.name == restarted)
         return Plan(tuple(start), tuple(teardown), tuple(a.name for a in final), tuple(self.added),
                     tuple(e.name for e in self.removed))
 

@@ -496,18 +496,61 @@ def test_a_changed_tool_grant_strips_and_adds_without_a_kill(make: Make, catalog
     assert started(plan) == [("git", "git", ("*",)), ("github", "github", ("create_issue", "list_pulls"))]
 
 
-def test_an_edited_server_another_capability_runs_is_not_killed(make: Make, catalogs: Catalogs, tap: Path) -> None:
-    """Two capabilities that name one server with two specs: the old process stays for the other
-    (``capd lint`` reports the mismatch)."""
+class _Agent:
+    """An agent applying plans to its servers, as the README's ``apply`` does: one process per server
+    name (the spec it was started with) and the tools each capability has on it."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, tuple[dict[str, Any], dict[str, tuple[str, ...]]]] = {}
+        self.kills = 0
+
+    def apply(self, plan: Plan) -> None:
+        for item in plan.teardown:
+            tools = self.running[item.server][1]
+            tools.pop(item.capability, None)
+            if item.kill:
+                assert not tools, f"killed {item.server} while {sorted(tools)} still use it"
+                del self.running[item.server]
+                self.kills += 1
+        for start in plan.start:
+            name = str(start.server["name"])
+            self.running.setdefault(name, (start.server, {}))[1][start.capability] = start.tools
+
+    def matches(self, registry: SessionRegistry, session: str) -> None:
+        """Every active capability's tools are on the server it names, and nothing else is."""
+        want: dict[str, dict[str, tuple[str, ...]]] = {}
+        for entry in registry.get(session).active:
+            for server in entry.servers:
+                want.setdefault(server.name, {})[entry.name] = tuple(server.tools)
+        assert {name: tools for name, (_, tools) in self.running.items()} == want
+
+
+def test_an_edited_server_is_restarted_for_every_capability_on_it(make: Make, catalogs: Catalogs, tap: Path) -> None:
+    """Two capabilities on one server, their files edited one at a time (as live reload sees an
+    editor save them): the first plan restarted the server for the edited capability alone and left
+    the other on the old process, whose kill by the second plan took the first's tools with it.
+    Both at once, the server was killed twice."""
     registry = make()
-    registry.activate("s1", "fs-read")
-    registry.activate("s1", "fs-write")
-    _edit_server(tap, "fs-write", "2025.1.1", "2025.2.0")
-    catalogs.reload()
-    plan = registry.reconcile("s1")
-    assert removed(plan) == [("fs-write", "filesystem", False)]
-    assert started(plan) == [("fs-write", "filesystem", ("write_file", "read_file"))]
-    assert "2025.2.0" in plan.start[0].server["args"][1]
+    agent = _Agent()
+    agent.apply(registry.activate("s1", "fs-read"))
+    agent.apply(registry.activate("s1", "fs-write"))
+    agent.matches(registry, "s1")
+    for edited in (["fs-write"], ["fs-read"], ["fs-read", "fs-write"]):
+        version = "2025.2.0" if len(edited) == 1 else "2025.3.0"
+        for name in edited:
+            _edit_server(tap, name, "2025.1.1" if version == "2025.2.0" else "2025.2.0", version)
+        catalogs.reload()
+        kills = agent.kills
+        plan = registry.reconcile("s1")
+        agent.apply(plan)
+        agent.matches(registry, "s1")
+        assert agent.kills == kills + 1, edited  # restarted once, for both
+        assert plan.start[0].capability == edited[0]  # an edited one first: its spec is started
+        assert version in agent.running["filesystem"][0]["args"][1]
+        assert registry.reconcile("s1") == Plan(active=("fs-read", "fs-write"))  # once
+    agent.apply(registry.deactivate("s1", "fs-read"))
+    agent.apply(registry.deactivate("s1", "fs-write"))
+    assert agent.running == {}
 
 
 def test_an_edited_capability_evicted_by_the_same_plan_is_torn_down_as_it_ran(make: Make, catalogs: Catalogs,
