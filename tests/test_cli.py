@@ -127,6 +127,7 @@ def test_status_exits_1_with_the_startup_error_and_0_while_loading(serve: Serve,
     (["route", "show me the commits", "--backend", "onnx"], "--backend applies with --tap"),
     (["route", "show me the commits", "--data-dir", "DATA"], "--data-dir applies with --tap"),
     (["discover", "show me the commits", "--model", "hash"], "--model applies with --tap"),
+    (["discover", "show me the commits", "--rule", "fused"], "--rule applies with --tap"),
     (["route", "show me the commits", "--tap", "TAP", "--model", "hash", "--data-dir", "DATA", "--session", "s1"],
      "--session applies to a running daemon"),
     (["list", "--tap", "TAP", "--session", "s1"], "--session applies to a running daemon"),
@@ -320,6 +321,19 @@ def test_discover_says_why_it_found_nothing(tmp_path: Path) -> None:
         result = _capd("discover", intent, "--tap", tap, "--model", "hash", "--data-dir", str(tmp_path / "d"))
         assert result.exit_code == 0, result.output
         assert result.stdout == "" and result.stderr == f"no candidates: {reason}\n"
+
+
+def test_discover_in_process_ranks_with_the_rule_given(tmp_path: Path) -> None:
+    """The README lists --rule among the in-process flags; discover had none (route has)."""
+    tap = str(octomind_tap(tmp_path))
+    ranked: dict[str, list[dict[str, Any]]] = {}
+    for rule in ("capd", "fused"):
+        result = _capd("discover", "run a query on the postgres database", "--tap", tap, "--model", "hash",
+                       "--data-dir", str(tmp_path / "d"), "--rule", rule, "--json")
+        assert result.exit_code == 0, result.output
+        ranked[rule] = json.loads(result.stdout)["candidates"]
+    assert ranked["capd"][0]["name"] == ranked["fused"][0]["name"] == "database-postgres"
+    assert ranked["capd"] != ranked["fused"]  # scored by each rule: the fused scores are another scale
 
 
 def test_list_of_a_path_that_is_not_a_tap_fails(tmp_path: Path) -> None:

@@ -343,6 +343,17 @@ def test_eval_gate_flags_follow_the_settings_rules(tmp_path: Path, flag: str, va
     assert f"Invalid value for '{flag}': must be between" in result.output
 
 
+def test_eval_coverage_under_another_rule_is_a_usage_error(tmp_path: Path) -> None:
+    """It was ignored: the other rules have no coverage gate, and the figures said nothing of it."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "")
+    args = ["eval", "--tap", str(tap), "--fixtures", str(tap / "fixtures" / "routing.jsonl"), "--model", "hash",
+            "--data-dir", str(tmp_path / "d"), "--coverage", "0.3"]
+    for rule in ("capd", "anchor"):
+        result = CliRunner().invoke(main, [*args, "--rule", rule])
+        assert result.exit_code == 2 and "--coverage applies to the fused rule" in result.stderr, result.output
+    assert CliRunner().invoke(main, [*args, "--rule", "fused"]).exit_code == 0
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--max-null-fpr", "-1"), ("--max-wrong", "nan"),
                                              ("--max-wrong", "1.5")])
 def test_calibrate_limits_are_shares(tmp_path: Path, flag: str, value: str) -> None:

@@ -71,20 +71,22 @@ def route_text(result: dict[str, Any], explain: list[dict[str, Any]] | None = No
 @connection_options
 @click.option("--limit", type=click.IntRange(1, 100), default=5, show_default=True,
               help="How many candidates (1-100).")
+@click.option("--rule", type=click.Choice(RULES), default=None, help="Ranking rule (with --tap).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def discover(intent: str, config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
              backend: str | None, host: str | None, port: int | None, uds: Path | None, limit: int,
-             as_json: bool) -> None:
+             rule: str | None, as_json: bool) -> None:
     """Best capabilities for an intent, no gates (the daemon's, or in-process with --tap).
 
     Example: capd discover "query a postgres table" --tap taps/core
     """
     if taps:
         daemon_only(host=host, port=port, uds=uds)
-        service = _service(build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend))
+        service = _service(build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend,
+                                          rule=rule))
         candidates = [{"name": n, "score": round(s, 4)} for n, s in service.discover(intent, limit)]
     else:
-        tap_only(data_dir=data_dir, model=model, backend=backend)
+        tap_only(rule=rule, data_dir=data_dir, model=model, backend=backend)
         with client_for(build_settings(config, host=host, port=port, uds=uds)) as client:
             candidates = client.discover(intent, limit)
     if as_json:
@@ -164,6 +166,8 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     from capd.fixtures import check_names, load_fixtures
 
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
+    if coverage is not None and settings.rule != "fused":  # the other rules have no coverage gate
+        raise Failed(f"--coverage applies to the fused rule (this is {settings.rule}: --rule fused)", EXIT_USAGE)
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
     check_names(fixtures, service.catalog_now().capabilities)
