@@ -117,6 +117,21 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
 VETO_TIE = 1e-5
 
 
+def recall_key(text: str) -> str:
+    """How a message is known again: the cleaned text, case and runs of white space aside."""
+    return " ".join(text.casefold().split())
+
+
+def recall_table(learned: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """message key → the capability an agent enabled for that very message (learned triggers), for
+    the messages whose corrections agree: one corrected to two capabilities recalls neither."""
+    owners: dict[str, set[str]] = {}
+    for name, messages in learned.items():
+        for message in messages:
+            owners.setdefault(recall_key(message), set()).add(name)
+    return {key: next(iter(names)) for key, names in owners.items() if len(names) == 1}
+
+
 @dataclass(frozen=True)
 class Vetoes:
     """Abstains that veto a winner: per capability, the messages an agent refused it for
@@ -198,7 +213,7 @@ class Router:
 
     def __init__(self, encoder: Encoder, index: TriggerIndex, catalog: Catalog, gates: GateBook,
                  rule: str = "capd", min_chars: int = 8, head: fused.FusedHead | None = None,
-                 vetoes: Vetoes | None = None) -> None:
+                 vetoes: Vetoes | None = None, recalled: Mapping[str, str] | None = None) -> None:
         if rule not in RULE_NAMES:
             raise ValueError(f"unknown rule {rule!r}; choose one of {', '.join(RULE_NAMES)}")
         if rule == "fused" and head is None:
@@ -211,6 +226,8 @@ class Router:
         self.min_chars = min_chars
         self.head = head
         self.vetoes = vetoes if vetoes is not None and rule != "anchor" else Vetoes()
+        # A message an agent corrected, seen again: the capability it enabled (:func:`recall_table`)
+        self.recalled: Mapping[str, str] = recalled if recalled is not None and rule != "anchor" else {}
 
     @property
     def top_k(self) -> int:
@@ -331,6 +348,9 @@ class Router:
             ranked = [(n, s) for n, s in ranked if n not in active_set]
             if not ranked:
                 return Decision("abstain", "every capability is already active", candidates=candidates)
+        recalled = self._recall(text, active_set, candidates)
+        if recalled is not None:
+            return recalled
         name, score = ranked[0]
         gates = self._gates_for(name)
         fire, margin, reason = gate(ranked, gates)
@@ -341,6 +361,22 @@ class Router:
         return self._vetoed(vector, name, score, margin, candidates) or Decision(
             "activate", reason, name, score, margin, candidates)
 
+    def _recall(self, text: str, active: Collection[str],
+                candidates: tuple[tuple[str, float], ...]) -> Decision | None:
+        """The capability an agent enabled for this very message before, whatever the scores say:
+        a learned trigger is one example among the capability's others, and a message corrected
+        once could still lose to them (5 corrected messages of taps/core repeated word for word: 3
+        routed elsewhere under ``capd``, 2 under ``fused``). Its score is the rule's, None when the
+        capability ranks below the candidates."""
+        name = self.recalled.get(recall_key(text)) if self.recalled and text else None
+        if name is None or name not in self.catalog:
+            return None
+        score = dict(candidates).get(name)
+        if name in active:
+            return Decision("already_active", f"{name} is already active", name, score, None, candidates)
+        return Decision("activate", f"{name}: an agent enabled it for this very message before (learned)",
+                        name, score, None, candidates)
+
     def _decide_fused(self, vector: np.ndarray, active: set[str], text: str,
                       tokens: TokenVectors | None) -> Decision:
         if self.index.capability_count == 0:
@@ -348,6 +384,9 @@ class Router:
         names, scores = self.fused_scores(vector[None, :], [text], tokens)
         order = np.argsort(-scores.fused[0], kind="stable")[:DISCOVER_LIMIT]
         candidates = tuple((names[i], float(scores.level[0, i])) for i in order.tolist())
+        recalled = self._recall(text, active, candidates)
+        if recalled is not None:
+            return recalled
         name = names[int(scores.winner[0])]
         level, gap = float(scores.winner_level[0]), float(scores.gap[0])
         coverage = float(scores.winner_coverage[0])

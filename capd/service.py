@@ -42,6 +42,7 @@ from capd.router import (
     Vetoes,
     abstain_corpus,
     example_catalog,
+    recall_table,
 )
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
@@ -338,7 +339,7 @@ class Service:
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
-                        min_chars=self.settings.min_chars, head=head, vetoes=vetoes)
+                        min_chars=self.settings.min_chars, head=head, vetoes=vetoes, recalled=recall_table(learned))
         self._snapshot = Snapshot(catalog, router)
         self._learned_version, self._learned_in_use = version, (learned, refused)
         return report

@@ -438,6 +438,38 @@ def test_learned_examples_survive_a_restart_and_the_anchor_rule_ignores_them(tmp
     assert best["anchor"][0] != "docker"  # the reference rule routes on the tap alone
 
 
+def test_a_corrected_message_seen_again_goes_where_the_agent_sent_it(tmp_path: Path,
+                                                                     model_settings: Settings) -> None:
+    """A learned trigger is one example among the capability's others: the very message an agent
+    corrected could still route elsewhere (docker's own triggers beat one learned example). Seen
+    again, word for word (case and spacing aside), it goes where the agent sent it; a paraphrase is
+    scored as before; a message corrected to two capabilities recalls neither; anchor ignores it."""
+    settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(CORE,))
+    corrected = "list my running docker containers"
+    with closing(LearnedStore.open(settings.data_dir)) as store:
+        store.record(CORE, "kubernetes", corrected, "docker", "a")
+    routed: dict[str, dict[str, Any]] = {}
+    for rule in ("capd", "fused", "anchor"):
+        with local_client(create_app(replace(settings, rule=rule), watch=False, warm_in_background=False)) as client:
+            for message in (corrected, "  List my running DOCKER   containers", "which docker containers are up"):
+                routed[f"{rule}: {message}"] = client.post("/v1/route", json={"message": message}).json()
+            active = client.post("/v1/route", json={"session": rule, "message": corrected}).json()
+            again = client.post("/v1/route", json={"session": rule, "message": corrected}).json()
+        if rule != "anchor":
+            assert (active["decision"], again["decision"]) == ("activate", "already_active"), rule
+    for rule in ("capd", "fused"):
+        for message in (corrected, "  List my running DOCKER   containers"):
+            result = routed[f"{rule}: {message}"]
+            assert (result["decision"], result["capability"]) == ("activate", "kubernetes"), (rule, result)
+            assert "enabled it for this very message before" in result["reason"]
+        assert "this very message" not in routed[f"{rule}: which docker containers are up"]["reason"]
+    assert routed[f"anchor: {corrected}"]["capability"] != "kubernetes"
+    with closing(LearnedStore.open(settings.data_dir)) as store:  # another agent sent it to docker
+        store.record(CORE, "docker", corrected, "kubernetes", "b")
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        assert "this very message" not in client.post("/v1/route", json={"message": corrected}).json()["reason"]
+
+
 def test_cli_lists_exports_and_forgets(tmp_path: Path) -> None:
     store = LearnedStore.open(tmp_path)
     store.record(CORE, "docker", MISS, "abstain", "a")
