@@ -49,7 +49,7 @@ from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, sc
 from capd.fixtures import Fixture
 from capd.router import Router
 from capd.taps import GATE_KEYS, SWITCH, tap_config
-from capd.text import strip_tags
+from capd.text import recall_key, strip_tags
 from capd.toml_edit import KeyPath, render_key
 
 HELD_OUT_SHARE = 0.3
@@ -84,9 +84,11 @@ def split(fixtures: Sequence[Fixture]) -> tuple[np.ndarray, np.ndarray]:
 
     A row's side is a hash of its message, so copies of a message fall on one side. So do messages
     that route as one text once their tags are removed (``<context>…</context> open the file`` and
-    ``open the file``): those take the side of that text, or one of them would be scored held out
-    on the very text the gates were fitted on."""
-    cleaned = [strip_tags(f.message) for f in fixtures]
+    ``open the file``), or that differ in case and spacing only (the model does not see those,
+    and a corrected message is recalled across them: :func:`~capd.text.recall_key`): those take the
+    side of that text, or one of them would be scored held out on the very text the gates were
+    fitted on."""
+    cleaned = [recall_key(strip_tags(f.message)) for f in fixtures]
     spellings: dict[str, set[str]] = {}
     for fixture, text in zip(fixtures, cleaned, strict=True):
         spellings.setdefault(text, set()).add(fixture.message)

@@ -45,7 +45,7 @@ from capd.encoder import Encoder, TokenVectors
 from capd.errors import UnknownCapability
 from capd.gates import GateBook, Gates, gate, not_a_number, shown
 from capd.index import TriggerIndex
-from capd.text import clean_message
+from capd.text import clean_message, recall_key
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +115,6 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
 # rows): a message equal to both a refused message and a trigger scored 1.0 against 0.99999994, and
 # a last-bit difference vetoed it. Float32 cosines are good to about 1e-7.
 VETO_TIE = 1e-5
-
-
-def recall_key(text: str) -> str:
-    """How a message is known again: the cleaned text, case and runs of white space aside."""
-    return " ".join(text.casefold().split())
 
 
 def recall_table(learned: Mapping[str, Sequence[str]]) -> dict[str, str]:

@@ -121,3 +121,9 @@ def printable_strings(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [printable_strings(v) for v in value]
     return value
+
+
+def recall_key(text: str) -> str:
+    """How a message is known again: the cleaned text, case and runs of white space aside (the
+    bundled model is uncased, and its tokenizer splits on white space, so these are one input)."""
+    return " ".join(text.casefold().split())

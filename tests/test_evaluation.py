@@ -683,6 +683,12 @@ def test_split_keeps_a_message_and_its_tagged_copies_on_one_side() -> None:
     sides = {i: i in set(held_out.tolist()) for i in range(3)}
     assert sides[0] == sides[1]
     assert sides[2] == held(other)  # a row with no tagged copy keeps the side of its own message
+    # nor do case and spacing part copies (the model is uncased; a corrected message is recalled across them)
+    variants = (f"{plain[:i].upper()}{plain[i:]}" for i in range(1, len(plain)))
+    shouted = next(v for v in variants if held(v) != held(plain))
+    _, held_out = split([rows[0], Fixture(shouted, ("filesystem-read",), "positive", "f:4"),
+                         Fixture(f"  {plain}  ", ("filesystem-read",), "positive", "f:5")])
+    assert len(held_out) in (0, 3)
 
 
 @pytest.mark.parametrize("text", ["", "# floors to come\n", "[floors]\n"])
