@@ -407,9 +407,14 @@ class SessionRegistry:
         return SessionState(record.session, record.last_seen, _ordered(record.active))
 
     def active_names(self, session: str) -> tuple[str, ...]:
-        """Active capability names in stable order; empty for an unknown session."""
+        """Active capability names in stable order. A session not started yet (or ended) has the
+        pinned ones the catalog provides: they are active in every session from its start, so a
+        listing for it marked them inactive until its first plan."""
         record = self._record(session)
-        return tuple(a.name for a in _ordered(record.active)) if record else ()
+        if record is None:
+            catalog = self._catalog()
+            return tuple(name for name in self.pinned if name in catalog)
+        return tuple(a.name for a in _ordered(record.active))
 
     def sessions(self) -> tuple[str, ...]:
         """The live sessions' ids (not those idle past ``ttl``, whose records may still be kept)."""

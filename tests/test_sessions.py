@@ -274,6 +274,14 @@ def test_pinned_are_active_from_the_start_and_never_evicted(make: Make, clock: C
     assert registry.activate("s1", "docker").changed is False
 
 
+def test_a_session_not_started_yet_lists_its_pinned_capabilities_active(make: Make) -> None:
+    """Pinned capabilities are active from a session's start; a listing for a new id showed them inactive."""
+    registry = make(pinned=("docker", "not-in-any-tap"))
+    assert registry.active_names("new") == ("docker",)
+    with pytest.raises(UnknownSession):
+        registry.get("new")  # still no session until a plan starts it
+
+
 def test_session_is_created_with_pinned_on_any_plan_call(make: Make) -> None:
     registry = make(pinned=("rust",))
     plan = registry.reconcile("fresh")
@@ -640,7 +648,7 @@ def test_a_session_ended_by_the_sweep_still_tears_down_when_its_id_comes_back(ma
     clock.tick(101)
     assert registry.expire() == ["back", "gone", "late"] and ended == ["back", "gone", "late"]
     assert registry.expire() == [] and len(ended) == 3  # each ends once
-    assert registry.sessions() == () and registry.active_names("back") == ()
+    assert registry.sessions() == () and registry.active_names("back") == ("docker",)  # as a new session
     with pytest.raises(UnknownSession):
         registry.get("back")
     plan = registry.activate("back", "github")
