@@ -60,7 +60,7 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
@@ -68,7 +68,7 @@ from typing import Any
 
 from capd.catalog import Catalog
 from capd.state import advice, set_busy_timeout, stored_text, tolerant_text
-from capd.text import printable
+from capd.text import printable, recall_key
 
 log = logging.getLogger(__name__)
 
@@ -458,6 +458,24 @@ class LearnedStore:
                 if capability is not None and capability.tap == tap:
                     out[name] = messages
         return out
+
+    def recalls(self, catalog: Catalog, triggers: Mapping[str, Sequence[str]]) -> dict[str, str]:
+        """message key (:func:`~capd.text.recall_key`) → the capability a message goes to when seen
+        again, whatever the scores: the learned ``triggers`` in effect (:meth:`for_catalog`) that
+        say routing got that very message wrong. It abstained, or the agent also refused what it
+        activated (a learned abstain for it). Enabling X after routing activated Y, and keeping Y,
+        may only add X's tools, so it stays an example among X's others. A message corrected to two
+        capabilities (two agents disagreeing) recalls neither."""
+        in_effect = {(name, recall_key(m)) for name, messages in triggers.items() for m in messages}
+        owners: dict[str, set[str]] = {}
+        for tap in catalog.taps:
+            refused = {(e.capability, recall_key(e.message)) for e in self.entries(tap=tap, kind="abstain")}
+            for entry in self.entries(tap=tap, kind="trigger"):
+                key = recall_key(entry.message)
+                if (entry.capability, key) in in_effect and (
+                        entry.previous == "abstain" or (entry.previous, key) in refused):
+                    owners.setdefault(key, set()).add(entry.capability)
+        return {key: next(iter(names)) for key, names in owners.items() if len(names) == 1}
 
     def version(self) -> int | None:
         """The file's ``PRAGMA data_version``: it changes when another connection commits to it

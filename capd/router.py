@@ -117,16 +117,6 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
 VETO_TIE = 1e-5
 
 
-def recall_table(learned: Mapping[str, Sequence[str]]) -> dict[str, str]:
-    """message key → the capability an agent enabled for that very message (learned triggers), for
-    the messages whose corrections agree: one corrected to two capabilities recalls neither."""
-    owners: dict[str, set[str]] = {}
-    for name, messages in learned.items():
-        for message in messages:
-            owners.setdefault(recall_key(message), set()).add(name)
-    return {key: next(iter(names)) for key, names in owners.items() if len(names) == 1}
-
-
 @dataclass(frozen=True)
 class Vetoes:
     """Abstains that veto a winner: per capability, the messages an agent refused it for
@@ -221,7 +211,7 @@ class Router:
         self.min_chars = min_chars
         self.head = head
         self.vetoes = vetoes if vetoes is not None and rule != "anchor" else Vetoes()
-        # A message an agent corrected, seen again: the capability it enabled (:func:`recall_table`)
+        # A message an agent corrected, seen again: the capability it enabled (LearnedStore.recalls)
         self.recalled: Mapping[str, str] = recalled if recalled is not None and rule != "anchor" else {}
 
     @property
@@ -358,11 +348,12 @@ class Router:
 
     def _recall(self, text: str, active: Collection[str],
                 candidates: tuple[tuple[str, float], ...]) -> Decision | None:
-        """The capability an agent enabled for this very message before, whatever the scores say:
-        a learned trigger is one example among the capability's others, and a message corrected
-        once could still lose to them (5 corrected messages of taps/core repeated word for word: 3
-        routed elsewhere under ``capd``, 2 under ``fused``). Its score is the rule's, None when the
-        capability ranks below the candidates."""
+        """The capability an agent enabled for this very message when routing got it wrong
+        (:meth:`capd.learned.LearnedStore.recalls`), whatever the scores say: a learned trigger is
+        one example among the capability's others, and a message corrected once could still lose
+        to them (5 corrected messages of taps/core repeated word for word: 3 routed elsewhere
+        under ``capd``, 2 under ``fused``). Its score is the rule's, None when the capability ranks
+        below the candidates."""
         name = self.recalled.get(recall_key(text)) if self.recalled and text else None
         if name is None or name not in self.catalog:
             return None

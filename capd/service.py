@@ -42,7 +42,6 @@ from capd.router import (
     Vetoes,
     abstain_corpus,
     example_catalog,
-    recall_table,
 )
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings
@@ -338,8 +337,9 @@ class Service:
         gates = self.fits.gatebook(catalog, manifest, gate_model)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
+        recalled = self.learned.recalls(catalog, learned) if self.learned is not None and learned else {}
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
-                        min_chars=self.settings.min_chars, head=head, vetoes=vetoes, recalled=recall_table(learned))
+                        min_chars=self.settings.min_chars, head=head, vetoes=vetoes, recalled=recalled)
         self._snapshot = Snapshot(catalog, router)
         self._learned_version, self._learned_in_use = version, (learned, refused)
         return report

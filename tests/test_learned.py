@@ -442,16 +442,21 @@ def test_a_corrected_message_seen_again_goes_where_the_agent_sent_it(tmp_path: P
                                                                      model_settings: Settings) -> None:
     """A learned trigger is one example among the capability's others: the very message an agent
     corrected could still route elsewhere (docker's own triggers beat one learned example). Seen
-    again, word for word (case and spacing aside), it goes where the agent sent it; a paraphrase is
-    scored as before; a message corrected to two capabilities recalls neither; anchor ignores it."""
+    again, word for word (case and spacing aside), it goes where the agent sent it when routing got
+    it wrong: the agent refused what it activated, or it abstained. An enable that kept what routing
+    activated may only add tools, so it stays an example; a paraphrase is scored as before;
+    corrections that disagree recall nothing; anchor ignores them."""
     settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(CORE,))
-    corrected = "list my running docker containers"
+    corrected, kept = "list my running docker containers", "show me the docker containers that run"
     with closing(LearnedStore.open(settings.data_dir)) as store:
-        store.record(CORE, "kubernetes", corrected, "docker", "a")
+        store.record(CORE, "docker", corrected, "docker", "a", kind="abstain")  # refused docker ...
+        store.record(CORE, "kubernetes", corrected, "docker", "a")  # ... and enabled kubernetes instead
+        store.record(CORE, "kubernetes", kept, "docker", "b")  # docker kept: kubernetes added, not a correction
     routed: dict[str, dict[str, Any]] = {}
     for rule in ("capd", "fused", "anchor"):
         with local_client(create_app(replace(settings, rule=rule), watch=False, warm_in_background=False)) as client:
-            for message in (corrected, "  List my running DOCKER   containers", "which docker containers are up"):
+            for message in (corrected, "  List my running DOCKER   containers", "which docker containers are up",
+                            kept):
                 routed[f"{rule}: {message}"] = client.post("/v1/route", json={"message": message}).json()
             active = client.post("/v1/route", json={"session": rule, "message": corrected}).json()
             again = client.post("/v1/route", json={"session": rule, "message": corrected}).json()
@@ -462,12 +467,16 @@ def test_a_corrected_message_seen_again_goes_where_the_agent_sent_it(tmp_path: P
             result = routed[f"{rule}: {message}"]
             assert (result["decision"], result["capability"]) == ("activate", "kubernetes"), (rule, result)
             assert "enabled it for this very message before" in result["reason"]
-        assert "this very message" not in routed[f"{rule}: which docker containers are up"]["reason"]
+        for message in ("which docker containers are up", kept):
+            assert "this very message" not in routed[f"{rule}: {message}"]["reason"], (rule, message)
     assert routed[f"anchor: {corrected}"]["capability"] != "kubernetes"
-    with closing(LearnedStore.open(settings.data_dir)) as store:  # another agent sent it to docker
-        store.record(CORE, "docker", corrected, "kubernetes", "b")
+    missed = "the thing with the boxes is slow again"  # abstains: two agents enabled two capabilities for it
+    with closing(LearnedStore.open(settings.data_dir)) as store:
+        store.record(CORE, "docker", missed, "abstain", "c")
+        store.record(CORE, "kubernetes", missed, "abstain", "d")
     with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
-        assert "this very message" not in client.post("/v1/route", json={"message": corrected}).json()["reason"]
+        assert "this very message" not in client.post("/v1/route", json={"message": missed}).json()["reason"]
+        assert "this very message" in client.post("/v1/route", json={"message": corrected}).json()["reason"]
 
 
 def test_cli_lists_exports_and_forgets(tmp_path: Path) -> None:
