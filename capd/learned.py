@@ -459,17 +459,19 @@ class LearnedStore:
                     out[name] = messages
         return out
 
-    def recalls(self, catalog: Catalog, triggers: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    def recalls(self, catalog: Catalog, triggers: Mapping[str, Sequence[str]],
+                abstains: Mapping[str, Sequence[str]]) -> dict[str, str]:
         """message key (:func:`~capd.text.recall_key`) → the capability a message goes to when seen
         again, whatever the scores: the learned ``triggers`` in effect (:meth:`for_catalog`) that
         say routing got that very message wrong. It abstained, or the agent also refused what it
-        activated (a learned abstain for it). Enabling X after routing activated Y, and keeping Y,
-        may only add X's tools, so it stays an example among X's others. A message corrected to two
-        capabilities (two agents disagreeing) recalls neither."""
+        activated (one of the learned ``abstains`` in effect). Enabling X after routing activated Y,
+        and keeping Y, may only add X's tools, so it stays an example among X's others. A message
+        corrected to two capabilities (two agents disagreeing) recalls neither. Only the triggers'
+        ``previous`` is read here; the rest comes with the arguments."""
         in_effect = {(name, recall_key(m)) for name, messages in triggers.items() for m in messages}
+        refused = {(name, recall_key(m)) for name, messages in abstains.items() for m in messages}
         owners: dict[str, set[str]] = {}
         for tap in catalog.taps:
-            refused = {(e.capability, recall_key(e.message)) for e in self.entries(tap=tap, kind="abstain")}
             for entry in self.entries(tap=tap, kind="trigger"):
                 key = recall_key(entry.message)
                 if (entry.capability, key) in in_effect and (

@@ -337,7 +337,7 @@ class Service:
         gates = self.fits.gatebook(catalog, manifest, gate_model)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
-        recalled = self.learned.recalls(catalog, learned) if self.learned is not None and learned else {}
+        recalled = self.learned.recalls(catalog, learned, refused) if self.learned is not None and learned else {}
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
                         min_chars=self.settings.min_chars, head=head, vetoes=vetoes, recalled=recalled)
         self._snapshot = Snapshot(catalog, router)
