@@ -13,7 +13,7 @@ import difflib
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,15 +134,19 @@ def _as_paths(value: object) -> tuple[Path, ...]:
         raise ValueError("must be a path or a list of paths")
     if not parts:  # no taps at all: every route would abstain, and health would still say ok
         raise ValueError(EMPTY)
-    # One tap named twice is loaded once, where first named: twice, each of its capabilities was
-    # a duplicate of itself (a warning each, and lint said so of every one).
+    return distinct_taps(Path(part).expanduser() for part in parts)
+
+
+def distinct_taps(taps: Iterable[Path]) -> tuple[Path, ...]:
+    """Each tap once, where first named, however spelt (``taps/x``, ``taps/x/``, a link to it):
+    named twice, each of its capabilities was a duplicate of itself (a warning each, and lint said
+    so of every one), and ``capd learned list`` listed its corrections twice."""
     unique: dict[Path, Path] = {}
-    for part in parts:
-        path = Path(part).expanduser()
+    for path in taps:
         try:
-            key = path.resolve()
+            key = path.expanduser().resolve()
         except (OSError, RuntimeError):  # a symlink loop: the loader names the problem
-            key = path.absolute()
+            key = path.expanduser().absolute()
         unique.setdefault(key, path)
     return tuple(unique.values())
 

@@ -22,7 +22,7 @@ from capd.cli.common import (
 from capd.cli.daemon_cmds import client_for
 from capd.errors import ClientError
 from capd.learned import FILE_NAME, Learned, LearnedStore, canonical_tap, skipped_rows
-from capd.settings import Settings
+from capd.settings import Settings, distinct_taps
 
 
 def _store(settings: Settings, write: bool = False) -> LearnedStore:
@@ -54,12 +54,8 @@ def _tap(tap: Path | None) -> str | None:
 
 
 def _distinct(taps: tuple[Path, ...]) -> list[Path | None]:
-    """The taps given, each once however spelt (``taps/x``, ``taps/x/``, a link to it: one tap, as
-    corrections are keyed); ``[None]`` (every tap) when none is given."""
-    unique: dict[str, Path] = {}
-    for tap in taps:
-        unique.setdefault(canonical_tap(tap), tap)
-    return [*unique.values()] or [None]
+    """The taps given, each once (:func:`~capd.settings.distinct_taps`); ``[None]`` (every tap) when none is."""
+    return [*distinct_taps(taps)] or [None]
 
 
 @click.group()
