@@ -2,7 +2,8 @@
 
 What a live reload costs in the tap loader alone (:class:`capd.live_taps.LiveTaps`, no model), on
 the generated 1,000-capability tap (``benchmarks/.cache``, written on first use): a full rescan,
-and a reload for 1, 100 and 2,000 changed files, each as a ratio of the full rescan. A checkout or
+and a reload for 1, 100, 2,000 and every changed file (spread evenly over the tap's folders),
+each as a ratio of the full rescan. A checkout or
 ``git pull`` hands the watcher thousands of changed paths at once; a reload for them must not
 cost much more than reading the whole tap again (2,000 paths cost 98 times that before 2026-11-27).
 
@@ -24,7 +25,7 @@ from capd.live_taps import LiveTaps
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(__file__).resolve().parent / ".cache"
 SIZE = 1_000
-CHANGED = (1, 100, 2_000)
+CHANGED = (1, 100, 2_000, 0)  # 0: every file
 REPEATS = 5
 
 
@@ -46,8 +47,8 @@ def main() -> dict[str, Any]:
     live.load()
     full = _seconds(live, None)
     rows = []
-    for count in CHANGED:
-        changed = files[:: max(1, len(files) // count)][:count]  # spread over the tap, as a checkout's are
+    for count in (c or len(files) for c in CHANGED):
+        changed = [files[i * len(files) // count] for i in range(count)]  # spread over the tap, as a checkout's are
         seconds = _seconds(live, changed)
         rows.append({"changed_paths": len(changed), "folders": len({p.parent for p in changed}),
                      "seconds": round(seconds, 4), "over_full_rescan": round(seconds / full, 3)})

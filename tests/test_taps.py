@@ -395,3 +395,24 @@ def test_a_server_entrys_error_points_at_that_entry(tmp_path: Path) -> None:
     (problem,) = load_catalog([tap]).errors
     assert problem.reason == "mcp.servers[1].name must be a non-empty string"
     assert problem.line == provider.splitlines().index("name = 7") + 1
+
+
+def test_a_change_naming_most_folders_rescans_the_tap_and_a_few_only_those(tmp_path: Path) -> None:
+    """A checkout of the whole tap names most of its folders: the reload rescans the tap, which
+    loads about what a partial reload would, without resolving every path. It then matches a
+    fresh load, an edited folder the change did not name included. A change naming a few folders
+    reloads those alone."""
+    tap = octomind_tap(tmp_path)
+    live = LiveTaps([tap])
+    live.load()
+    folders = sorted((tap / "capabilities").iterdir())
+    for folder in folders:
+        config = folder / "config.toml"
+        added = 'triggers = [\n    "a trigger the checkout added",'
+        config.write_text(config.read_text().replace("triggers = [", added))
+    few = live.load([folders[0] / "config.toml"])
+    assert "a trigger the checkout added" in few.capabilities[folders[0].name].triggers
+    assert "a trigger the checkout added" not in few.capabilities[folders[-1].name].triggers
+    most = live.load([folder / "config.toml" for folder in folders[:-2]])  # 3 of 5 named
+    assert all("a trigger the checkout added" in capability.triggers for capability in most)
+    assert most.capabilities == LiveTaps([tap]).load().capabilities
