@@ -16,7 +16,7 @@ import json
 from types import TracebackType
 from typing import Any
 
-from capd.errors import CapdError, ClientError, DaemonUnreachable, UnknownCapability, UnknownSession
+from capd.errors import CapdError, ClientError, DaemonUnreachable, PinnedCapability, UnknownCapability, UnknownSession
 from capd.sessions import check_session_id
 from capd.transport import Transport, TransportError
 
@@ -39,6 +39,8 @@ def _error(status: int, payload: dict[str, Any], session: str | None, name: obje
         return UnknownSession(session)
     if error == "unknown_capability" and isinstance(name, str):
         return UnknownCapability(name)
+    if error == PinnedCapability.code and isinstance(name, str):
+        return PinnedCapability(name)
     return ApiError(status, error, detail)
 
 
@@ -138,6 +140,10 @@ class CapdClient:
         return self._call("GET", "/v1/health", expect=HEALTH_KEYS)
 
     def route(self, session: str | None, message: str) -> dict[str, Any]:
+        """Route one message; a bad session id raises :class:`capd.errors.InvalidSessionId` before
+        anything is sent, as the session calls do."""
+        if session is not None:
+            check_session_id(session)
         return self._call("POST", "/v1/route", {"session": session, "message": message}, expect=("decision",))
 
     def discover(self, intent: str, limit: int = 5) -> list[dict[str, Any]]:
@@ -172,12 +178,12 @@ class CapdClient:
         return result
 
     def reload(self) -> dict[str, Any]:
-        return self._call("POST", "/v1/reload")
+        return self._call("POST", "/v1/reload", expect=("capabilities", "added", "removed", "changed"))
 
     def capability_tool(self) -> dict[str, Any]:
-        return self._call("GET", "/v1/capability-tool")
+        return self._call("GET", "/v1/capability-tool", expect=("name", "parameters"))
 
     def capability_call(self, session: str, action: str, name: str | None = None,
                         intent: str | None = None) -> dict[str, Any]:
         body = {"action": action, "name": name, "intent": intent}
-        return self._call("POST", _session_path(session, "capability"), body, session=session)
+        return self._call("POST", _session_path(session, "capability"), body, session=session, expect=("text", "plan"))

@@ -29,7 +29,14 @@ from capd.api import LEARNED_CHECK_INTERVAL, create_app
 from capd.cli import main
 from capd.client import ApiError, CapdClient
 from capd.encoder import Encoder, HashEncoder
-from capd.errors import ClientError, InvalidSessionId, UnknownCapability, UnknownSession
+from capd.errors import (
+    ClientError,
+    DaemonUnreachable,
+    InvalidSessionId,
+    PinnedCapability,
+    UnknownCapability,
+    UnknownSession,
+)
 from capd.learned import LearnedStore
 from capd.router import abstain_corpus
 from capd.service import Service
@@ -275,6 +282,27 @@ def test_the_client_refuses_a_bad_session_id_before_sending_it(serve: Serve) -> 
         assert [a["name"] for a in client.session("other")["active"]] == ["smalltalk"]
     result = _capd("disable", "victim/../other", "smalltalk", port=port)
     assert result.exit_code == 1 and "invalid session id 'victim/../other'" in result.stderr
+
+
+def test_the_client_raises_what_the_session_calls_raise(serve: Serve) -> None:
+    """A pinned capability's disable raised a bare ApiError(409) where PinnedCapability is the
+    error's type, and a bad session id given to route() went to the daemon (its 422 as an ApiError)
+    where every session call raises InvalidSessionId before sending."""
+    port = serve(pinned=("smalltalk",))
+    with CapdClient(f"http://127.0.0.1:{port}") as client:
+        with pytest.raises(PinnedCapability) as pinned:
+            client.disable("s1", "smalltalk")
+        assert pinned.value.name == "smalltalk"
+        with pytest.raises(InvalidSessionId):
+            client.route("victim/../other", "read a file from disk")
+
+
+def test_the_client_tells_another_server_from_capd_on_every_call(foreign_port: int) -> None:
+    """reload(), capability_tool() and capability_call() took any JSON object as capd's answer."""
+    with CapdClient(f"http://127.0.0.1:{foreign_port}") as client:
+        for call in (client.reload, client.capability_tool, lambda: client.capability_call("s1", "list")):
+            with pytest.raises(DaemonUnreachable, match="does not look like a capd daemon"):
+                call()
 
 
 def test_a_trailing_slash_is_a_404_with_a_reason_not_a_redirect(serve: Serve) -> None:
