@@ -12,6 +12,12 @@
   fails while serving is 503 ``model_unavailable``.
 - Every response is counted in ``capd_requests_total``, those the guard gives before routing
   (401, 413 by Content-Length) under the route the request was for.
+- Bad input the framework would let through is refused too, with a reason: a query parameter an
+  endpoint does not know (422, as an unknown body field is: ``?sesion=`` must not act without a
+  session), an encoded slash in a session id (422: ``victim%2Fenable`` reached session ``victim``),
+  and a JSON body that gives a key twice (the last one won silently), is not UTF-8, nests too
+  deeply or holds a number over Python's digit limit (422 naming it, not a bare 400).
+- ``HEAD`` is answered wherever ``GET`` is, and a 405 lists every method its path allows.
 """
 
 from __future__ import annotations
@@ -20,15 +26,19 @@ import datetime
 import json
 import logging
 import secrets
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
+from urllib.parse import parse_qsl
 
 from fastapi import Body, FastAPI, Query, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
@@ -140,6 +150,64 @@ class _JSON(JSONResponse):
 
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def strict_json(body: bytes) -> Any:
+    """A request body's JSON as capd reads it: UTF-8 (RFC 8259), no key given twice (Python's
+    parser keeps the last one, so ``{"session": "a", "session": "b"}`` routed in ``b`` without a
+    word). Every failure is a :class:`json.JSONDecodeError` saying what is wrong, which FastAPI
+    answers 422 (anything else it answers with a bare 400, "There was an error parsing the body")."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise json.JSONDecodeError("the body is not UTF-8 text", "", exc.start) from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError:
+        raise
+    except _DuplicateKey as exc:
+        quoted = json.dumps(exc.key, ensure_ascii=False)
+        second = text.find(quoted, text.find(quoted) + 1)
+        raise json.JSONDecodeError(f"key {quoted} given twice", text, max(second, 0)) from None
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+    except ValueError:  # an integer over the interpreter's digit limit
+        raise json.JSONDecodeError(f"a number of more than {sys.get_int_max_str_digits()} digits", text, 0) from None
+
+
+class _StrictJSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = strict_json(await self.body())
+        return self._json
+
+
+class _Route(APIRoute):
+    """Every route's body is read with :func:`strict_json` (FastAPI's documented way to change
+    how a request is read: a route class whose handler gets a request class of capd's own)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(_StrictJSONRequest(request.scope, request.receive))
+
+        return strict
+
+
 def _error(status: int, error: str, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
 
@@ -158,17 +226,19 @@ def _install_handlers(app: FastAPI) -> None:
         return _error(exc.status, exc.error, exc.detail)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Routing and body-parsing errors (404, 405, unreadable JSON) get capd's shape too.
         codes = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
-        return _error(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
-                      dict(exc.headers) if exc.headers else None)
+        headers = dict(exc.headers) if exc.headers else {}
+        if exc.status_code == 405:  # Starlette names the methods of the first route on the path only
+            headers["Allow"] = ", ".join(_allowed_methods(request.scope))
+        return _error(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail), headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {_reason(e)}" for e in exc.errors())
         kind = request.headers.get("content-type", "")
-        if request.method == "POST" and "json" not in kind.lower() and any(e["loc"] == ("body",) for e in exc.errors()):
+        if request.method == "POST" and not _is_json(kind) and any(e["loc"] == ("body",) for e in exc.errors()):
             # `curl -d '{…}'` sends a form: the JSON is there, but not read as JSON
             sent = f"as {kind}" if kind else "without a content type"
             detail += f" (the body was sent {sent}; send Content-Type: application/json)"
@@ -225,6 +295,12 @@ class _Guard:
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             await self._reject(scope, receive, send, _error(413, "too_large", BODY_TOO_LARGE))
             return
+        head = scope["method"] == "HEAD"  # answered as GET, without the body (Content-Length kept)
+        if head:
+            scope = {**scope, "method": "GET"}
+        if (refusal := _refusal(scope)) is not None:
+            await self._reject(scope, receive, send, refusal)
+            return
         status = 500
         started = False
         received = 0
@@ -243,6 +319,8 @@ class _Guard:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
+            elif head and message["type"] == "http.response.body":
+                message = {**message, "body": b""}
             await send(message)
 
         fast = scope["method"] == "POST" and scope["path"] == ROUTE_PATH
@@ -259,7 +337,7 @@ class _Guard:
                 raise
             status = 500
             await _error(500, "internal", "internal error; see the daemon log")(scope, receive, send)
-        self._count(scope, status)
+        self._count({**scope, "method": "HEAD"} if head else scope, status)
 
     @classmethod
     async def _reject(cls, scope: Scope, receive: Receive, send: Send, response: JSONResponse) -> None:
@@ -355,6 +433,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None, watch: bool =
                   default_response_class=_JSON,
                   description="Local capability router for AI agents. Every endpoint: the README, *HTTP API*.",
                   redirect_slashes=False)  # a trailing slash is a 404 with a reason, not a bare 307
+    app.router.route_class = _Route
     _install_handlers(app)
     _install_routes(app)
     _install_middleware(app, settings)
@@ -418,11 +497,61 @@ def _registry(request: Request) -> Any:
 
 def _reason(error: Mapping[str, Any]) -> str:
     """A validation error's message; a session id that breaks its pattern gets the rule in words,
-    as the session calls answer it, not the regular expression."""
+    as the session calls answer it, not the regular expression; a body that is not JSON says
+    what the parser found (FastAPI's message is "JSON decode error" alone)."""
     ctx = error.get("ctx") or {}
     if error.get("type") == "string_pattern_mismatch" and ctx.get("pattern") == SESSION_PATTERN:
         return f"invalid session id: {InvalidSessionId.rule}"
+    if error.get("type") == "json_invalid" and ctx.get("error"):
+        return f"invalid JSON: {ctx['error']}"
     return str(error["msg"])
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether a Content-Type is JSON as FastAPI reads it: ``application/json`` or ``application/*+json``."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _allowed_methods(scope: Scope) -> list[str]:
+    """Every method some route on ``scope``'s path answers, ``HEAD`` wherever ``GET`` is (the guard
+    answers it)."""
+    methods: set[str] = set()
+    for route in scope["app"].routes:
+        match, _ = route.matches({**scope, "method": "GET"})
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters an endpoint declares, its dependencies' included."""
+    names = {param.alias for param in dependant.query_params}
+    for dependency in dependant.dependencies:
+        names |= _query_names(dependency)
+    return names
+
+
+def _refusal(scope: Scope) -> JSONResponse | None:
+    """Bad input the routes would take without a word: an encoded slash in a path (the session id is
+    the only path parameter; ``victim%2Fenable`` is decoded before routing and enabled in session
+    ``victim``), and a query parameter an API endpoint (``/v1/…``) does not declare."""
+    if b"%2f" in scope.get("raw_path", b"").lower() and scope["path"].startswith("/v1/sessions/"):
+        return _error(422, InvalidSessionId.code, f"invalid session id: {InvalidSessionId.rule}")
+    query = scope.get("query_string", b"")
+    if not query or not scope["path"].startswith("/v1/"):  # the API's own endpoints (not /docs, /metrics)
+        return None
+    route = _matching_route(scope)
+    if not isinstance(route, APIRoute) or route.matches(scope)[0] is not Match.FULL:
+        return None  # no such endpoint, or not this method: the router's 404 or 405 says so
+    known = _query_names(route.dependant)
+    unknown = [name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True) if name not in known]
+    if not unknown:
+        return None
+    return _error(422, "invalid_request", "; ".join(f"query.{name}: Extra inputs are not permitted"
+                                                    for name in dict.fromkeys(unknown)))
 
 
 async def _route(service: Service, body: RouteBody) -> Response:
@@ -476,10 +605,10 @@ class _FastRoute:
         if read[-1]["type"] != "http.request":  # the client went away: the app deals with it
             return None
         content_type = Headers(scope=scope).get("content-type", "")
-        if content_type.partition(";")[0].strip().lower() != "application/json":
+        if content_type.partition(";")[0].strip().lower() != "application/json" or scope.get("query_string"):
             return None
         try:
-            return RouteBody.model_validate(json.loads(b"".join(m.get("body", b"") for m in read)))
+            return RouteBody.model_validate(strict_json(b"".join(m.get("body", b"") for m in read)))
         except Exception:  # any failure (JSON, validation) is the app's to answer, its own way
             return None
 

@@ -259,3 +259,82 @@ def test_a_tap_whose_path_is_not_utf8_serves(settings_factory: SettingsFactory, 
         for action in ("disable", "enable"):  # a correction is learned under the tap's key
             assert client.post(f"/v1/sessions/s/{action}", json={"name": "docker"}).status_code == 200
         assert client.post("/v1/reload").status_code == 200
+
+
+def test_an_unknown_query_parameter_is_a_422_naming_it(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """``POST /v1/route?session=zz`` routed without a session (nothing started, session zz never
+    made), and ``GET /v1/capabilities?sesion=q`` listed q's capabilities as inactive: the query was
+    not checked as the body is."""
+    settings = settings_factory(taps=(docker_and_postgres(tmp_path / "tap"),))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        client.post("/v1/sessions/q/enable", json={"name": "docker"})
+        for method, path, body in [("POST", "/v1/route?session=zz", {"message": "list the running containers"}),
+                                   ("GET", "/v1/capabilities?sesion=q", None),
+                                   ("POST", "/v1/sessions/q/disable?name=docker", {"name": "postgres"})]:
+            answer = client.request(method, path, json=body)
+            assert answer.status_code == 422, (path, answer.text)
+            assert answer.json() == {"error": "invalid_request", "detail":
+                                     f"query.{path.split('?')[1].split('=')[0]}: Extra inputs are not permitted"}
+        assert client.get("/v1/sessions/zz").status_code == 404
+        listed = client.get("/v1/capabilities?session=q").json()["capabilities"]
+        assert [c["name"] for c in listed if c["active"]] == ["docker"]
+        assert client.get("/metrics?name=x").status_code == 200  # not the API's own: a scraper may add its own
+
+
+def test_an_encoded_slash_in_a_session_id_is_refused(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """``POST /v1/sessions/victim%2Fenable`` was decoded before routing and enabled the capability in
+    session ``victim``."""
+    settings = settings_factory(taps=(docker_and_postgres(tmp_path / "tap"),))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        for method, path in [("POST", "/v1/sessions/victim%2Fenable"), ("POST", "/v1/sessions/victim%2fenable"),
+                             ("GET", "/v1/sessions/a%2Fb"), ("DELETE", "/v1/sessions/a%2F..%2Fb")]:
+            answer = client.request(method, path, json={"name": "docker"} if method == "POST" else None)
+            assert answer.status_code == 422 and answer.json()["error"] == "invalid_session_id", (path, answer.text)
+        assert client.get("/v1/sessions/victim").status_code == 404
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"session": "d1", "session": "d2", "message": "list the running containers"}', 'key "session" given twice'),
+    (b'{"session": "d1", "message": "caf\xe9 containers"}', "not UTF-8"),
+    (b'{"session": "d1", "message": "x", "extra": ' + b"9" * 5000 + b"}", "more than 4300 digits"),
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"message": }', "invalid JSON: Expecting value"),
+], ids=["duplicate-key", "latin-1", "long-number", "deep", "syntax"])
+def test_a_body_that_is_not_plain_json_is_a_422_saying_why(settings_factory: SettingsFactory, tmp_path: Path,
+                                                           body: bytes, reason: str) -> None:
+    """A key given twice routed with the last one (session d2) without a word; bytes that are not
+    UTF-8, a 5,000-digit number or deep nesting were a bare 400 "There was an error parsing the body";
+    a syntax error said "JSON decode error" without what the parser found."""
+    settings = settings_factory(taps=(docker_and_postgres(tmp_path / "tap"),))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        for path in ("/v1/route", "/v1/sessions/d1/enable"):  # the fast route and the app's own reading
+            answer = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert answer.status_code == 422 and answer.json()["error"] == "invalid_request", answer.text
+            assert reason in answer.json()["detail"], answer.text
+        assert client.get("/v1/sessions/d2").status_code == 404 and client.get("/v1/sessions/d1").status_code == 404
+
+
+def test_head_is_answered_where_get_is_and_a_405_lists_every_method(settings_factory: SettingsFactory,
+                                                                    tmp_path: Path) -> None:
+    settings = settings_factory(taps=(docker_and_postgres(tmp_path / "tap"),))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        client.post("/v1/sessions/s/enable", json={"name": "docker"})
+        for path in ("/v1/health", "/v1/capabilities", "/metrics", "/docs", "/openapi.json", "/v1/sessions/s"):
+            got, head = client.get(path), client.head(path)
+            assert head.status_code == got.status_code == 200 and head.content == b"", path
+            if path != "/metrics":  # its counters move between the two
+                assert head.headers["content-length"] == got.headers["content-length"], path
+        put = client.put("/v1/sessions/s")
+        assert put.status_code == 405 and put.headers["allow"] == "DELETE, GET, HEAD"
+        assert client.head("/v1/route").headers["allow"] == "POST"
+        text = client.get("/metrics").text
+    assert 'capd_requests_total{method="HEAD",path="/v1/health",status="200"} 1\n' in text
+
+
+def test_a_json_body_sent_as_another_type_says_so(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """The hint was skipped for any content type with "json" in it, application/x-ndjson too."""
+    settings = settings_factory(taps=(docker_and_postgres(tmp_path / "tap"),))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        answer = client.post("/v1/discover", content=b'{"intent": "containers"}',
+                             headers={"content-type": "application/x-ndjson"})
+    assert answer.status_code == 422 and "send Content-Type: application/json" in answer.json()["detail"]

@@ -665,7 +665,8 @@ def test_an_empty_session_is_refused_by_list_as_by_route(serve: Serve) -> None:
     for args in (["list", "--session", "bad/id"], ["route", "hello there friend", "--session", "é"]):
         refused = _capd(*args, port=port)
         assert refused.exit_code == 1, refused.output
-        assert "invalid session id: use 1 to 128 characters" in refused.stderr and "pattern" not in refused.stderr
+        assert "invalid session id" in refused.stderr and "use 1 to 128 characters" in refused.stderr
+        assert "pattern" not in refused.stderr
     with CapdClient(f"http://127.0.0.1:{port}") as client, pytest.raises(ApiError) as caught:
         client.capabilities(session="")
     assert caught.value.status == 422
