@@ -149,7 +149,6 @@ class _JSON(JSONResponse):
             return super().render(printable_strings(content))
 
 
-
 class _DuplicateKey(ValueError):
     def __init__(self, key: str) -> None:
         super().__init__(key)
@@ -605,7 +604,7 @@ class _FastRoute:
         if read[-1]["type"] != "http.request":  # the client went away: the app deals with it
             return None
         content_type = Headers(scope=scope).get("content-type", "")
-        if content_type.partition(";")[0].strip().lower() != "application/json" or scope.get("query_string"):
+        if content_type.partition(";")[0].strip().lower() != "application/json":
             return None
         try:
             return RouteBody.model_validate(strict_json(b"".join(m.get("body", b"") for m in read)))
