@@ -288,8 +288,9 @@ class Service:
             before = self._snapshot.catalog if self._snapshot is not None else None
             catalog = self._taps.load(changed)
             if self.tuning.enabled and self.tuning.key is None and self.ready_after is None:
-                self._adopt_cached_tuning(catalog)  # a restart starts on its tuned model: embeds once
-            report = self._publish(catalog)
+                report = self._publish_adopting(catalog)  # a restart starts on its tuned model: embeds once
+            else:
+                report = self._publish(catalog)
             self.counters.reloads += 1
             if self.tuning.enabled and self.ready_after is not None and self._want_sessions:
                 self.tuner.catalog_changed(catalog)
@@ -350,18 +351,32 @@ class Service:
     def tuning(self) -> Tuning:
         return self.tuner.state
 
-    def _adopt_cached_tuning(self, catalog: Catalog) -> None:
-        """Before the first publish: switch to the tuned model for ``catalog`` if it is cached
-        (one that does not load is set aside, so that start() tunes it again)."""
+    def _publish_adopting(self, catalog: Catalog) -> SyncReport:
+        """The first publish: with the tuned model for ``catalog`` if it is cached. One that does
+        not load, or that routing cannot use (it gives non-finite vectors), is set aside and the
+        untuned model published, so that start() tunes it again: a cached model that failed here
+        used to fail every later start as well."""
         key = self.tuner.target(catalog).key
         path = tuned_dir(self.settings.data_dir, key)
         if not is_tuned(path):
-            return
+            return self._publish(catalog)
         previous = self.encoder
-        if self._switch_encoder(path, key) is None:
+        undo = self._switch_encoder(path, key)
+        if undo is None:
             set_aside(path, self.tuning.error or "it does not load")
-            return
-        self._switched(path, key, previous)  # nothing was published with the previous one yet
+            return self._publish(catalog)
+        try:
+            report = self._publish(catalog)
+        except Stopping:
+            raise
+        except Exception as exc:
+            undo()
+            why = f"cannot route with the tuned model {path}: {exc}"
+            self.tuning.failed(why)
+            set_aside(path, why)
+            return self._publish(catalog)
+        self._switched(path, key, previous)
+        return report
 
     def _switch_encoder(self, path: Path, key: str) -> Callable[[], None] | None:
         """Point the encoder, embedder and index at the tuned model in ``path`` (under the lock;

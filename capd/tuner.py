@@ -92,8 +92,17 @@ def tuned_model(settings: Settings, catalog: Catalog, recipe: Recipe = RECIPE) -
     if not is_tuned(path):
         if len(target.groups) < 2:
             raise ModelError(TOO_FEW)
-        run_child(target.base, target.groups, path, recipe)
+        run_child(target.base, target.groups, path, recipe, onnx_data_dir=onnx_data_dir(settings))
     return path
+
+
+def onnx_data_dir(settings: Settings) -> Path | None:
+    """Where a tuning child exports the tuned model to ONNX for the backend ``settings`` load it
+    with (None: torch, which needs no export)."""
+    return None if settings.backend == "torch" else settings.data_dir
+
+
+CLOSE_WAIT = 5.0  # seconds close() waits for a killed run to clean up after itself
 
 
 class Tuner:
@@ -208,6 +217,11 @@ class Tuner:
         for child in self._children:
             if child.poll() is None:
                 child.kill()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # the run's own cleanup (its spec file, a half-written model) and its log line happen
+            # there: a daemon thread left running when the process exits never gets to them
+            thread.join(CLOSE_WAIT)
 
     def _tune(self, target: Target, path: Path) -> None:
         key = target.key
@@ -216,7 +230,8 @@ class Tuner:
         log.info("tuning the model on %d capabilities (%d examples) into %s", len(target.groups),
                  sum(len(texts) for _, texts in target.groups), path)
         try:
-            summary = run_child(target.base, target.groups, path, self.recipe, started=self._children)
+            summary = run_child(target.base, target.groups, path, self.recipe, started=self._children,
+                                onnx_data_dir=onnx_data_dir(self.settings))
         except Exception as exc:
             if self._closed:  # close() killed the child: a stop, not a failure
                 log.info("tuning %s stopped: capd is stopping", key)
@@ -228,6 +243,7 @@ class Tuner:
             return
         finally:
             self._training = None
+            self._children = [child for child in self._children if child.poll() is None]  # not one per run for ever
         self.state.seconds = summary.get("seconds")
         if self._closed:
             return
@@ -236,7 +252,10 @@ class Tuner:
             if not self._undone(key):
                 self.state.status = "stale" if self.state.key is not None else "untuned"
             return
-        self._use(path, key)
+        if not self._use(path, key) and not self._closed and is_tuned(path):
+            # a model routing cannot use (it does not load, or gives non-finite vectors) must not
+            # be adopted by the next start from the cache: set aside, as a damaged cached one is
+            set_aside(path, self.state.error or "routing cannot use it")
 
     def _undone(self, key: str) -> bool:
         """Whether the edit that asked for ``key`` was undone while it was tuned: the taps ask again

@@ -233,10 +233,13 @@ def publish(scratch: Path, out: Path) -> None:
 
 
 def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE,
-              started: list[subprocess.Popen[bytes]] | None = None) -> dict[str, Any]:
+              started: list[subprocess.Popen[bytes]] | None = None,
+              onnx_data_dir: Path | None = None) -> dict[str, Any]:
     """:func:`train` in a niced child process (its log goes to this process's stderr).
 
-    ``started`` receives the child as soon as it runs, so a caller can stop it. When another
+    ``started`` receives the child as soon as it runs, so a caller can stop it. With
+    ``onnx_data_dir`` the child also exports the published model to ONNX there
+    (:func:`export_onnx`), so that the caller only opens the export. When another
     process is tuning the same key, this waits for it and returns its result (``seconds`` None:
     nothing was trained here). The failure's reason is the child's last error line.
     """
@@ -254,7 +257,9 @@ def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE
         errors: list[str] = []
         try:
             spec.write_text(json.dumps({"base": str(base_dir), "out": str(out), "groups": groups,
-                                        "recipe": asdict(recipe)}), encoding="utf-8")
+                                        "recipe": asdict(recipe),
+                                        "onnx_data_dir": None if onnx_data_dir is None else str(onnx_data_dir)}),
+                            encoding="utf-8")
             child = subprocess.Popen([sys.executable, "-m", "capd.tuning", str(spec), "--parent", str(os.getpid())],
                                      stderr=subprocess.PIPE,
                                      preexec_fn=lambda: os.nice(NICE))  # only os.nice: safe between fork and exec
@@ -272,7 +277,7 @@ def run_child(base_dir: Path, groups: Groups, out: Path, recipe: Recipe = RECIPE
         # filled up) goes now, not at the next tuning, which after a failure may never come
         sweep(out.parent)
     reason = errors[-1] if errors else _ended(code)
-    raise ModelError(f"tuning failed ({reason}); the untuned model stays in use")
+    raise ModelError(f"tuning failed ({reason}); routing keeps the model it has")
 
 
 def _ended(code: int) -> str:
@@ -291,14 +296,30 @@ def _summary(out: Path) -> dict[str, Any]:
 
 
 def _relay(child: subprocess.Popen[bytes], errors: list[str]) -> None:
-    """Copy the child's stderr to this process's, keeping its error lines for the failure's reason."""
+    """Copy the child's stderr to this process's, keeping its error lines for the failure's reason;
+    then close the pipe (left open, each run held a file descriptor for as long as the daemon ran)."""
     assert child.stderr is not None
-    for raw in child.stderr:
-        line = raw.decode("utf-8", "replace")
-        sys.stderr.write(line)
-        sys.stderr.flush()
-        if line.startswith(ERROR_PREFIX):
-            errors.append(line[len(ERROR_PREFIX):].strip())
+    with child.stderr:
+        for raw in child.stderr:
+            line = raw.decode("utf-8", "replace")
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if line.startswith(ERROR_PREFIX):
+                errors.append(line[len(ERROR_PREFIX):].strip())
+
+
+def export_onnx(out: Path, data_dir: Path) -> None:
+    """In the tuning child, once ``out`` is published: export it to ONNX under ``data_dir``, where
+    the daemon's loader finds it (:func:`capd.onnx_export.ensure_onnx`; a file lock keeps two
+    exporters apart). Left to the daemon, the export imported torch into it at full priority and
+    kept about 600 MB there after the switch. A failure only logs: the loader exports it then."""
+    from capd.encoder import open_encoder  # the child's work only
+    from capd.settings import Settings
+
+    try:
+        open_encoder(Settings(model=str(out), data_dir=data_dir, backend="onnx", taps=()))
+    except Exception as exc:
+        log.warning("could not export %s to ONNX (%s); the process that loads it will", out, exc)
 
 
 def die_with_parent(parent: int) -> None:
@@ -347,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = json.loads(args.spec.read_text(encoding="utf-8"))
         groups = [(str(name), [str(t) for t in texts]) for name, texts in spec["groups"]]
         summary = train(Path(spec["base"]), groups, Path(spec["out"]), Recipe(**spec.get("recipe", {})))
+        if spec.get("onnx_data_dir"):
+            export_onnx(Path(spec["out"]), Path(spec["onnx_data_dir"]))
     except Exception as exc:  # the last line is the reason the parent reports (health, capd tune)
         if not _environmental(exc):  # a bug, not a full disk or bad input: keep the trace
             traceback.print_exc()

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import capd.onnx_export as onnx_export
 import capd.tuned_models as tuned_models
 import capd.tuner as tuner_module
 from benchmarks.quality.tune_trial import hard_batches
@@ -352,6 +353,11 @@ def test_a_restart_reuses_the_tuned_model(tuned_service: Service) -> None:
 def test_daemon_serves_while_tuning_then_swaps_and_retunes_after_an_edit(
         model_settings: Settings, real_encoder: Encoder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tuner_module, "TUNE_DELAY", 0.1)
+
+    def no_export(*_: object) -> None:  # in this process only: the tuning child exports, at its low priority
+        raise AssertionError("the daemon exported a tuned model to ONNX itself (torch, ~600 MB kept)")
+
+    monkeypatch.setattr(onnx_export, "export", no_export)
     tap = write_tap(tmp_path / "tap", {n: t[:4] for n, t in TRIGGERS.items()})  # not the module's tap: tunes afresh
     settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(tap,), tune=True)
     service = Service(settings, sessions=True).start()
@@ -360,7 +366,7 @@ def test_daemon_serves_while_tuning_then_swaps_and_retunes_after_an_edit(
         assert service.health()["model"] == real_encoder.model_id
         assert service.route("list running containers", "s1").decision.decision in ("activate", "abstain")
         first = wait_for(service, lambda s: s.tuning.status == "ready")
-        assert service.health()["model"] != real_encoder.model_id
+        assert service.health()["model"] != real_encoder.model_id and ":onnx:" in service.health()["model"]
         assert service.route("list running containers", "s1").decision.capability == "docker"
 
         write_capability(tap, "docker", [*TRIGGERS["docker"][:4], "remove dangling images"])

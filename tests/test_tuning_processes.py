@@ -138,6 +138,23 @@ def test_a_second_process_waits_for_the_key_and_uses_its_result(tmp_path: Path) 
         holder.wait()
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files in /proc")
+def test_a_tuning_run_leaves_no_file_descriptor_open(tmp_path: Path) -> None:
+    """Each run kept the pipe of its child's stderr open for as long as the process ran: a daemon
+    retuning after every tap edit leaked one file descriptor per edit."""
+    started: list[subprocess.Popen[bytes]] = []  # kept, as the daemon's tuner keeps its children
+
+    def runs(keys: range) -> None:
+        for i in keys:
+            with pytest.raises(ModelError):
+                run_child(tmp_path / "no-model", GROUPS, tuned_dir(tmp_path, f"k{i}"), started=started)
+
+    runs(range(1))  # first use: whatever the process opens once
+    before = len(os.listdir("/proc/self/fd"))
+    runs(range(1, 4))
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_a_failed_tuning_says_why(tmp_path: Path) -> None:
     """The child's error is the reason (a full disk shows as ENOSPC, not just "exit 1")."""
     with pytest.raises(ModelError, match="at least two capabilities") as caught:

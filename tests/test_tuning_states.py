@@ -14,11 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 import capd.service as service_module
 import capd.tuner as tuner_module
+import capd.tuning as tuning_module
 from capd.cli import main
 from capd.encoder import Encoder
 from capd.errors import CapdError
@@ -249,6 +251,14 @@ def test_stopping_while_tuning_is_not_a_failure(tuned_settings: Settings, monkey
         return real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs)
 
     monkeypatch.setattr(subprocess, "Popen", popen)
+    relay = tuning_module._relay
+
+    def slow_relay(*args: Any) -> None:  # the run's cleanup takes a moment after the kill, as on a busy machine
+        relay(*args)
+        time.sleep(1.0)
+
+    monkeypatch.setattr(tuning_module, "_relay", slow_relay)
+    caplog.set_level("INFO", logger="capd.tuner")
     service = Service(tuned_settings, sessions=True).start()
     try:
         deadline = time.monotonic() + 10
@@ -257,6 +267,11 @@ def test_stopping_while_tuning_is_not_a_failure(tuned_settings: Settings, monkey
             time.sleep(0.05)
     finally:
         service.close()
+    # close() waits for the killed run's own cleanup: a daemon stopping right after left the run's
+    # spec file behind and never logged that the tuning stopped
+    assert service.tuner._thread is not None and not service.tuner._thread.is_alive()
+    assert not list((tuned_settings.data_dir / "tuned").glob(".*.spec.json"))
+    assert "stopped: capd is stopping" in caplog.text
     wait_idle(service)
     assert service.tuning.status == "tuning" and service.tuning.error is None, service.tuning
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
@@ -380,4 +395,65 @@ def test_an_edit_undone_while_its_tuning_ran_leaves_health_ready(
         assert (state["status"], state["error"]) == ("ready", None), state
     finally:
         gate.set()
+        service.close()
+
+
+def nan_tuning(trained: list[str]) -> Callable[..., dict[str, Any]]:
+    """Stands in for run_child: publishes the base model with every weight NaN, a model that loads
+    and gives non-finite vectors."""
+    def run_child(base: Path, groups: Any, out: Path, recipe: Any = None, **_: Any) -> dict[str, Any]:
+        from safetensors.numpy import load_file, save_file
+
+        out.mkdir(parents=True)
+        for item in base.iterdir():
+            if item.name != "model.safetensors":
+                os.symlink(item, out / item.name)
+        weights = load_file(str(base / "model.safetensors"))
+        save_file({name: np.full_like(w, np.nan) if w.dtype.kind == "f" else w for name, w in weights.items()},
+                  str(out / "model.safetensors"))
+        (out / MARKER).write_text(json.dumps({"seconds": 0.1}), encoding="utf-8")
+        trained.append(out.name)
+        return {"seconds": 0.1}
+    return run_child
+
+
+def broken(settings: Settings, key: str) -> list[str]:
+    return [p.name for p in tuned_dir(settings.data_dir, key).parent.iterdir() if p.name.startswith(f"{key}.broken-")]
+
+
+def test_a_tuned_model_routing_cannot_use_is_set_aside_and_a_restart_serves(
+        tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It stayed in the cache: the next start adopted it, its first publish failed, and that start
+    and every one after it failed ("reinstall the model in …/tuned/KEY") until someone deleted it.
+    (The torch backend: under ONNX the export's own check refuses such a model before routing.)"""
+    settings = replace(tuned_settings, backend="torch")
+    trained: list[str] = []
+    monkeypatch.setattr(tuner_module, "run_child", nan_tuning(trained))
+    for start in (1, 2):
+        service = Service(settings, sessions=True).start()
+        try:
+            wait_idle(service, 60)
+            assert service.tuning.status == "failed" and service.tuning.key is None, service.tuning
+            assert service.route("list running containers").decision.capability == "docker"
+        finally:
+            service.close()
+        assert len(trained) == start and len(broken(settings, trained[0])) == start
+
+
+def test_a_cached_tuned_model_routing_cannot_use_is_set_aside_and_tuned_again(
+        tuned_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that finds such a model cached (left by an older capd, or damaged in place) serves,
+    sets it aside and tunes again, instead of failing to start."""
+    settings = replace(tuned_settings, backend="torch")
+    target = target_for(settings, load_catalog(settings.taps))
+    nan_tuning([])(target.base, target.groups, tuned_dir(settings.data_dir, target.key))
+    trained: list[str] = []
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained))
+    service = Service(settings, sessions=True).start()
+    try:
+        wait_idle(service, 60)
+        assert service.tuning.status == "ready" and service.tuning.key == target.key, service.tuning
+        assert trained == [target.key] and len(broken(settings, target.key)) == 1
+        assert service.route("list running containers").decision.capability == "docker"
+    finally:
         service.close()
