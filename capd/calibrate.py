@@ -253,10 +253,11 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         point, error = None, (f"no gates within the limits fire any of the {positives} fit positive rows right "
                               "(too short to route, expecting capabilities without triggers, or beaten by the "
                               "nulls the limits must keep out): nothing to recommend")
+    nulls = len(fit_rows) - positives
     report: dict[str, Any] = {
         "rule": router.rule,
         "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
-        "rows": {"fit": len(fit_rows), "held_out": len(held_rows)},
+        "rows": {"fit": len(fit_rows), "held_out": len(held_rows), "fit_nulls": nulls},
         "recommended": point.as_dict() if point else None,
         "abstain_corpus": fitted.corpus,
         "curve": [c.as_dict() for c in fitted.curve],
@@ -268,6 +269,7 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         for label, rows in (("fit", fit_rows), ("held_out", held_rows)):
             sub = table.subset(rows)
             report[label] = metrics(sub, apply_gates(sub, point.threshold, point.margin, point.coverage))
+    report["warnings"] = _warnings(report, nulls, max_null_fpr, max_wrong)
     if auto is not None and auto.top_k in variants[False]:
         held = variants[False][auto.top_k].subset(held_rows)
         report["auto_gates"] = {"gates": auto.as_dict(), "held_out": metrics(
@@ -275,8 +277,49 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
     return report
 
 
+NO_NULLS = ("no null row in the fit part: the null_fpr limit was never checked, so the gates may fire on "
+            "messages that should activate nothing; add rows that expect nothing (\"expect\": [])")
+
+
+def _warnings(report: dict[str, Any], nulls: int, max_null_fpr: float, max_wrong: float) -> list[str]:
+    """What a tap author should know before trusting the recommended gates: the null limit untested,
+    or a limit the held-out rows break (the fit rows met it: too few rows to be sure)."""
+    warnings = [NO_NULLS] if nulls == 0 else []
+    held = report.get("held_out")
+    if held is not None:
+        for key, limit in (("fired_wrong", max_wrong), ("null_fpr", max_null_fpr)):
+            value = held.get(key)
+            if value is not None and value > limit + 1e-9:
+                warnings.append(f"held-out {key} {value:.3f} is over the limit {limit} that the fit rows met: "
+                                "more fixture rows would make the gates surer")
+    return warnings
+
+
+@dataclass(frozen=True)
+class GatesEdit:
+    """A ``capd.toml`` edit checked and ready (:func:`gates_edit`); :meth:`write` stores it."""
+
+    tap: Path
+    path: Path
+    text: str
+
+    def write(self) -> Path:
+        try:
+            atomic.write_text(self.path, self.text)
+        except OSError as exc:
+            raise TapFileError(self.path, f"cannot write it: {exc.strerror or exc}; nothing was changed") from None
+        return self.tap / "capd.toml"
+
+
 def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd") -> Path:
-    """Store gates for ``rule`` in ``<tap>/capd.toml``, keeping the other rule's gates.
+    """:func:`gates_edit`, written."""
+    return gates_edit(tap, point, model, rule).write()
+
+
+def gates_edit(tap: Path, point: dict[str, Any], model: str, rule: str = "capd") -> GatesEdit:
+    """The edit that stores gates for ``rule`` in ``<tap>/capd.toml``, keeping the other rule's
+    gates: made and checked here, written by :meth:`GatesEdit.write` (so that a calibration of
+    several taps writes none when one of them cannot be edited).
 
     An existing file is updated in place, line by line: the values of ``threshold``, ``margin``
     and ``top_k`` (``[gates]``: rules capd, anchor) or ``coverage`` (``[gates.fused]``) are
@@ -327,11 +370,7 @@ def write_gates(tap: Path, point: dict[str, Any], model: str, rule: str = "capd"
     except TapFileError as exc:  # a mistake elsewhere in the file: written, it would still not load
         raise TapFileError(path, f"with the new gates it would still not load: {exc.reason}; fix that, then calibrate "
                                  "again (nothing was changed)", _line_now(path, old, text, exc.reason)) from None
-    try:
-        atomic.write_text(path, new)
-    except OSError as exc:
-        raise TapFileError(path, f"cannot write it: {exc.strerror or exc}; nothing was changed") from None
-    return tap / "capd.toml"
+    return GatesEdit(tap, path, new)
 
 
 def _line_now(path: Path, table: dict[str, Any], text: str, reason: str) -> int | None:

@@ -116,13 +116,18 @@ def load_fixtures(paths: Iterable[Path]) -> list[Fixture]:
     return rows
 
 
-def check_names(fixtures: Sequence[Fixture], known: Iterable[str]) -> None:
-    """Every expected name must exist in the catalog; a typo would silently count as a miss."""
-    names = set(known)
+def check_names(fixtures: Sequence[Fixture], known: Iterable[str], broken: Iterable[str] = ()) -> None:
+    """Every expected name must exist in the catalog; a typo would silently count as a miss.
+    ``broken`` names capabilities whose files failed to load: a fixture expecting one says so,
+    rather than that no such capability exists."""
+    names, failed = set(known), set(broken)
     for fixture in fixtures:
         unknown = [e for e in fixture.expect if e not in names]
         if unknown:
             file, _, line = fixture.source.rpartition(":")
+            if not_loaded := [e for e in unknown if e in failed]:
+                raise FixtureError(file, f"expects {', '.join(map(repr, not_loaded))}, which failed to load "
+                                         "(the tap error above; `capd lint` names it)", int(line))
             raise FixtureError(file, f"expects unknown capability {', '.join(map(repr, unknown))}", int(line))
 
 

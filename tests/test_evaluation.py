@@ -698,3 +698,58 @@ def test_a_floors_file_that_sets_nothing_says_so(tmp_path: Path, text: str) -> N
     result = CliRunner().invoke(main, ["test", str(tap), *_hash(tmp_path)])
     assert result.exit_code == 0, result.output
     assert f"{tap / 'fixtures' / 'floors.toml'} sets no floors: nothing to hold the tap to" in result.output
+
+
+def test_calibrate_write_refuses_gates_no_null_row_checked(tmp_path: Path) -> None:
+    """Fitted on positives alone, the gates were written and null_fpr went unchecked ("n/a"): on a
+    copy of taps/core without its capd.toml, `capd test` then measured null_fpr 0.055 against 0.022."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    positives = tap / "fixtures" / "positives.jsonl"
+    positives.write_text("".join(line for line in (tap / "fixtures" / "routing.jsonl").read_text().splitlines(True)
+                                 if '"expect": null' not in line))
+    args = ["calibrate", "--tap", str(tap), "--fixtures", str(positives), "--max-null-fpr", "1", "--max-wrong", "1",
+            *_hash(tmp_path)]
+    written = CliRunner().invoke(main, [*args, "--write"])
+    assert written.exit_code == 1 and "nothing written: no null row in the fit part" in written.stderr, written.output
+    assert not (tap / "capd.toml").exists()
+    shown = CliRunner().invoke(main, [*args, "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["rows"]["fit_nulls"] == 0
+    assert any("null_fpr limit was never checked" in w for w in json.loads(shown.stdout)["warnings"])
+
+
+def test_calibrate_write_of_several_taps_writes_none_when_one_cannot_be_edited(tmp_path: Path) -> None:
+    """The first tap's capd.toml was written, the second refused, and the author saw only the refusal."""
+    first = _tap_with_fixtures(tmp_path / "a", "[floors]\nmin_top1 = 0.0\n")
+    second = tmp_path / "b" / "tap"
+    second.mkdir(parents=True)
+    (second / "capabilities").mkdir()
+    (second / "capd.toml").write_text("gates = { threshold = 0.4 }\n")  # an inline table: capd does not edit it
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"message": m, "expect": None}) + "\n" for m in
+                            ("my cat likes to sleep on the sofa", "the weather is lovely", "thanks, that is all",
+                             "what a nice afternoon it is", "good morning to you")) +
+                    (first / "fixtures" / "routing.jsonl").read_text())
+    result = CliRunner().invoke(main, ["calibrate", "--tap", str(first), "--tap", str(second), "--fixtures", str(rows),
+                                       "--write", "--max-null-fpr", "1", "--max-wrong", "1", *_hash(tmp_path)])
+    assert result.exit_code == 1 and "cannot update in place" in result.output, result.output
+    assert not (first / "capd.toml").exists()
+    assert (second / "capd.toml").read_text() == "gates = { threshold = 0.4 }\n"
+
+
+def test_capd_test_fails_a_tap_with_a_capability_that_does_not_load(tmp_path: Path) -> None:
+    """It said PASS (exit 0): the broken capability was simply not there, and only a log line on
+    stderr told of it; a fixture expecting it said "unknown capability"."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    (tap / "capabilities" / "smalltalk" / "config.toml").write_text('triggers = ["unclosed\n')
+    result = CliRunner().invoke(main, ["test", str(tap), "--json", *_hash(tmp_path)])
+    assert result.exit_code == 1, result.output
+    (report,) = json.loads(result.stdout)["taps"]
+    assert not report["passed"] and [e["capability"] for e in report["errors"]] == ["smalltalk"]
+    assert {"name": "tap_errors", "value": 1, "bound": 0, "relation": "<=", "passed": False} in report["checks"]
+    text = CliRunner().invoke(main, ["test", str(tap), *_hash(tmp_path)])
+    assert "FAIL tap_errors 1 <= 0" in text.stdout and "smalltalk/config.toml: line 1:" in text.stdout, text.output
+    rows = tap / "fixtures" / "routing.jsonl"
+    weather = {"message": "what is the weather today", "expect": "smalltalk"}
+    rows.write_text(rows.read_text() + json.dumps(weather) + "\n")
+    result = CliRunner().invoke(main, ["test", str(tap), *_hash(tmp_path)])
+    assert result.exit_code == 1 and "expects 'smalltalk', which failed to load" in result.stderr, result.output

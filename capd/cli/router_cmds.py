@@ -47,6 +47,11 @@ def _service(settings: Settings) -> Any:
     return service
 
 
+def _broken(service: Any) -> set[str]:
+    """The capabilities whose files failed to load."""
+    return {p.capability for p in service.catalog_now().errors if p.capability is not None}
+
+
 def _fmt(value: object) -> str:
     return "n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
@@ -170,7 +175,7 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
         raise Failed(f"--coverage applies to the fused rule (this is {settings.rule}: --rule fused)", EXIT_USAGE)
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
-    check_names(fixtures, service.catalog_now().capabilities)
+    check_names(fixtures, service.catalog_now().capabilities, _broken(service))
     result, table, outcome = evaluate(service.router, fixtures, threshold, margin, coverage)
     if html is not None:
         from capd.report_html import render
@@ -212,7 +217,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
     """
     from capd.evaluation import evaluate, failing_rows
     from capd.fixtures import check_names, load_fixtures, tap_fixture_files
-    from capd.floors import check_floors, junit_xml, load_floors
+    from capd.floors import Check, check_floors, junit_xml, load_floors
 
     base = build_settings(config, taps=(*tap_args, *taps), data_dir=data_dir, model=model, backend=backend,
                           rule=rule)
@@ -224,15 +229,19 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
         floors = load_floors(tap, base.rule)
         fixtures = load_fixtures(files)
         service = _service(Settings(**{**base.__dict__, "taps": (tap,)}))
-        check_names(fixtures, service.catalog_now().capabilities)
+        check_names(fixtures, service.catalog_now().capabilities, _broken(service))
         result, table, outcome = evaluate(service.router, fixtures)
         checks = check_floors(floors, result)
+        errors = service.catalog_now().errors  # a capability that does not load is not tested at all
+        if errors:
+            checks.append(Check("tap_errors", len(errors), 0, False, "<="))
         reports.append({"tap": str(tap), "rule": base.rule, "floors": str(floors.path) if floors.path else None,
                         "floors_table": None if floors.path is None else
                         "floors" if floors.rule is None else f"floors.{floors.rule}",
                         "metrics": {k: result[k] for k in ("n", "top1", "fired_right", "fired_wrong", "null_fpr")},
                         "checks": [c.as_dict() for c in checks], "passed": all(c.passed for c in checks),
-                        "failing_rows": failing_rows(table, outcome)})
+                        "failing_rows": failing_rows(table, outcome),
+                        "errors": [problem.as_dict() for problem in errors]})
     if junit is not None:
         write_file(junit, junit_xml(reports))
     if as_json:
@@ -252,6 +261,9 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
             for check in report["checks"]:
                 mark = "ok  " if check["passed"] else "FAIL"
                 click.echo(f"  {mark} {check['name']} {_fmt(check['value'])} {check['relation']} {check['bound']}")
+            for problem in report["errors"]:  # what `capd lint` says about them, in one line each
+                where = problem["file"] + (f": line {problem['line']}" if problem["line"] is not None else "")
+                click.echo(f"    {where}: {problem['reason']}")
             if not report["passed"]:
                 click.echo("  rows decided wrong:")
                 for row in report["failing_rows"][:25]:
@@ -274,7 +286,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
 
     Example: capd calibrate --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --write
     """
-    from capd.calibrate import CORPUS_MIN_GAIN, write_gates
+    from capd.calibrate import CORPUS_MIN_GAIN, NO_NULLS, gates_edit
     from capd.calibrate import calibrate as run_calibration
     from capd.fixtures import check_names, load_fixtures
 
@@ -283,11 +295,18 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
-    check_names(fixtures, service.catalog_now().capabilities)
+    check_names(fixtures, service.catalog_now().capabilities, _broken(service))
     report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.fit_auto_gates())
     point = report["recommended"]
     if write and point is not None:
-        report["written"] = [str(write_gates(Path(t), point, service.gate_model, settings.rule)) for t in settings.taps]
+        if NO_NULLS in report["warnings"]:
+            raise Failed(f"nothing written: {NO_NULLS}")
+        # every edit made and checked before any file is written
+        edits = [gates_edit(Path(t), point, service.gate_model, settings.rule) for t in settings.taps]
+        report["written"] = [str(edit.write()) for edit in edits]
+    if not as_json:
+        for warning in report.get("warnings", []):
+            click.echo(f"warning: {warning}", err=True)
     if as_json:
         emit_json(report)
     else:
