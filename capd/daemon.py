@@ -176,6 +176,9 @@ def exposed_without_token(settings: Settings) -> bool:
 
 
 def serve(settings: Settings) -> None:
+    # What the daemon writes is this user's alone: sessions and learned corrections keep users'
+    # messages word for word (a prompt holding a password), and the default umask made them 0644.
+    os.umask(0o077)
     configure_logging(settings.log_level)
     sock, lock = bind(settings)
     # The port actually bound: with --port 0 the system chooses one.

@@ -9,7 +9,10 @@ page's host in ``Host`` (and ``Origin``), never this machine's address, so witho
 
 - ``Host`` must be an IP address, ``localhost`` (or a name under ``.localhost``), or the host the
   daemon was told to listen on (``--host``); a request without ``Host`` (HTTP/1.0) passes;
-- ``Origin``, when a browser sends one, must name such a host too (``null`` is refused).
+- ``Origin``, when a browser sends one, must name a loopback address, ``localhost`` (or a name
+  under ``.localhost``) or the ``--host``: not any IP address, since a page served from one (a
+  public address) could otherwise send the requests a browser sends cross-site without asking
+  (``POST /v1/reload`` with no body: a rescan of every tap per request). ``null`` is refused.
 
 With a token the check is off: a page cannot know the token, and the token is how to reach the
 daemon under another name (a machine name on the LAN). A Unix socket has no host names to check.
@@ -58,6 +61,14 @@ class LocalAddresses:
             return False
         return True
 
+    def allows_origin(self, host: str) -> bool:
+        if host in self.names or host.endswith(".localhost"):
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
     def refusal(self, headers: Sequence[tuple[bytes, bytes]]) -> str | None:
         """Why a request with these raw headers is refused, or None when it may go on."""
         for raw_name, raw_value in headers:
@@ -66,11 +77,12 @@ class LocalAddresses:
                 continue
             value = raw_value.decode("latin-1")
             if name == b"host":
-                host = _hostname(value)
-            else:
-                host = "" if value.strip() == "null" else _origin_host(value.strip())
-            if not self.allows(host):
-                return (f"{name.decode().capitalize()} {value!r} is neither an IP address, localhost nor the "
-                        "host capd listens on, and a daemon without a token answers only to those (a guard against "
-                        "DNS rebinding by web pages): use one of them, or set a token")
+                if not self.allows(_hostname(value)):
+                    return (f"Host {value!r} is neither an IP address, localhost nor the host capd listens on, and "
+                            "a daemon without a token answers only to those (a guard against DNS rebinding by web "
+                            "pages): use one of them, or set a token")
+            elif not self.allows_origin("" if value.strip() == "null" else _origin_host(value.strip())):
+                return (f"Origin {value!r} is neither a loopback address, localhost nor the host capd listens on, "
+                        "and a daemon without a token answers only to pages from those (a guard against web pages "
+                        "driving it): use one of them, or set a token")
         return None

@@ -183,6 +183,9 @@ def test_a_non_finite_number_in_a_server_spec_is_null_not_a_500(settings_factory
     ({"Host": "localhost.attacker.example"}, False),
     ({"Host": "127.0.0.1:7171", "Origin": "https://attacker.example"}, False),
     ({"Host": "127.0.0.1:7171", "Origin": "null"}, False),
+    ({"Host": "127.0.0.1:7171", "Origin": "http://127.0.0.1:3000"}, True),
+    ({"Host": "127.0.0.1:7171", "Origin": "http://203.0.113.5"}, False),  # a page on a public address
+    ({"Host": "127.0.0.1:7171", "Origin": "http://[::ffff:203.0.113.5]"}, False),
     ({"Host": "127.0.0.1:7171", "Origin": "http://[::1"}, False),  # unparseable: was a plain-text 500
     ({"Host": "127.0.0.1:7171", "Origin": "http://]"}, False),
 ])

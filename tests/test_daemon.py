@@ -79,6 +79,8 @@ def test_sessions_survive_kill_9(daemon_dirs: tuple[Path, Path]) -> None:
         client.route("agent-b", "please run a query on the postgres database")
         client.tool_result("agent-a", "filesystem", "read_file", True)
         before = {s: client.session(s) for s in ("agent-a", "agent-b")}
+        # private to this user: sessions hold what agents were told, learned corrections users' messages
+        assert stat.S_IMODE((data / "sessions.sqlite3").stat().st_mode) == 0o600
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(10)
