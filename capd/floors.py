@@ -170,6 +170,33 @@ def check_floors(floors: Floors, result: dict[str, Any]) -> list[Check]:
     return checks
 
 
+ROWS_SHOWN = 50  # failing rows listed per failing check (JUnit; the CLI's text shows fewer)
+
+
+def rows_against(check: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Which of the rows decided wrong (:func:`capd.evaluation.failing_rows`) count against
+    ``check``: the positives ranked wrong for ``top1``, the positives not fired right for
+    ``fired_right``, those that fired another capability for ``fired_wrong``, the nulls that fired
+    for ``null_fpr``, the kind's rows for ``kind:NAME``. A check failed by one kind of mistake used
+    to list the first rows of every kind, in file order, often none of its own."""
+    if check == "top1":
+        return [r for r in rows if r["expect"] and r["best"] not in r["expect"]]
+    if check == "fired_right":
+        return [r for r in rows if r["expect"]]
+    if check == "fired_wrong":
+        return [r for r in rows if r["expect"] and r["got"] is not None]
+    if check == "null_fpr":
+        return [r for r in rows if not r["expect"]]
+    if check.startswith("kind:"):
+        return [r for r in rows if r["kind"] == check.removeprefix("kind:")]
+    return [] if check == "tap_errors" else rows
+
+
+def row_line(row: dict[str, Any]) -> str:
+    return (f"{row['source']}: expected {row['expect']}, got {row['got']} "
+            f"(best {row['best']} {row['score']:.3f}, margin {row['margin']:.3f})")
+
+
 def junit_xml(reports: list[dict[str, Any]]) -> str:
     """One <testsuite> per tap, one <testcase> per floor; failing rows go to system-out."""
     suites = ET.Element("testsuites")
@@ -186,8 +213,11 @@ def junit_xml(reports: list[dict[str, Any]]) -> str:
             if not check["passed"]:
                 failure = ET.SubElement(case, "failure", message=(f"{check['name']} = {check['value']} "
                                                                   f"not {check['relation']} {check['bound']}"))
-                failure.text = "\n".join(f"{r['source']}: expected {r['expect']}, got {r['got']} "
-                                         f"(best {r['best']} {r['score']})" for r in report["failing_rows"][:50])
+                against = rows_against(check["name"], report["failing_rows"])
+                lines = [row_line(r) for r in against[:ROWS_SHOWN]]
+                if len(against) > ROWS_SHOWN:
+                    lines.append(f"… and {len(against) - ROWS_SHOWN} more")
+                failure.text = "\n".join(lines)
         out = ET.SubElement(suite, "system-out")
         out.text = f"{len(report['failing_rows'])} fixture rows decided wrong"
     # Characters XML 1.0 cannot hold (control characters in a kind or message, a file name's

@@ -20,7 +20,7 @@ from capd.cli import main
 from capd.errors import FixtureError
 from capd.evaluation import ScoreTable, apply_gates, breakdown, embed_fixtures, metrics
 from capd.fixtures import Fixture, load_fixtures
-from capd.floors import load_floors
+from capd.floors import junit_xml, load_floors, rows_against
 from capd.router import abstain_corpus
 from capd.service import Service
 from capd.settings import Settings, default_taps
@@ -753,3 +753,27 @@ def test_capd_test_fails_a_tap_with_a_capability_that_does_not_load(tmp_path: Pa
     rows.write_text(rows.read_text() + json.dumps(weather) + "\n")
     result = CliRunner().invoke(main, ["test", str(tap), *_hash(tmp_path)])
     assert result.exit_code == 1 and "expects 'smalltalk', which failed to load" in result.stderr, result.output
+
+
+def test_each_failing_check_lists_the_rows_that_count_against_it() -> None:
+    """Every failing check listed the same first rows decided wrong, in file order: a fired_wrong
+    failure on a copy of taps/core showed 25 rows that had abstained and none that fired wrong."""
+    def row(source: str, expect: list[str] | None, got: str | None, best: str,
+            kind: str | None = None) -> dict[str, object]:
+        return {"source": source, "message": "m", "kind": kind, "expect": expect, "got": got, "best": best,
+                "score": 0.5, "margin": 0.01}
+
+    abstained = [row(f"p.jsonl:{i}", ["a"], None, "a") for i in range(30)]
+    ranked_wrong = row("p.jsonl:40", ["a"], None, "b")
+    fired_wrong = row("p.jsonl:41", ["a"], "c", "c")
+    null_fired = row("n.jsonl:1", None, "a", "a", kind="chitchat")
+    rows = [*abstained, ranked_wrong, fired_wrong, null_fired]
+    assert rows_against("fired_wrong", rows) == [fired_wrong]
+    assert rows_against("null_fpr", rows) == rows_against("kind:chitchat", rows) == [null_fired]
+    assert rows_against("top1", rows) == [ranked_wrong, fired_wrong]
+    assert rows_against("fired_right", rows) == [*abstained, ranked_wrong, fired_wrong]
+    report = {"tap": "t", "checks": [{"name": "fired_wrong", "value": 0.1, "bound": 0.0, "relation": "<=",
+                                      "passed": False}], "failing_rows": rows}
+    (failure,) = ET.fromstring(junit_xml([report]).split("?>", 1)[1]).iter("failure")
+    assert failure.text is not None and failure.text.splitlines() == [
+        "p.jsonl:41: expected ['a'], got c (best c 0.500, margin 0.010)"]

@@ -47,6 +47,9 @@ def _service(settings: Settings) -> Any:
     return service
 
 
+ROWS_SHOWN_TEXT = 10  # rows listed under each failing check of `capd test` at a terminal
+
+
 def _broken(service: Any) -> set[str]:
     """The capabilities whose files failed to load."""
     return {p.capability for p in service.catalog_now().errors if p.capability is not None}
@@ -217,7 +220,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
     """
     from capd.evaluation import evaluate, failing_rows
     from capd.fixtures import check_names, load_fixtures, tap_fixture_files
-    from capd.floors import Check, check_floors, junit_xml, load_floors
+    from capd.floors import Check, check_floors, junit_xml, load_floors, row_line, rows_against
 
     base = build_settings(config, taps=(*tap_args, *taps), data_dir=data_dir, model=model, backend=backend,
                           rule=rule)
@@ -261,14 +264,16 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
             for check in report["checks"]:
                 mark = "ok  " if check["passed"] else "FAIL"
                 click.echo(f"  {mark} {check['name']} {_fmt(check['value'])} {check['relation']} {check['bound']}")
+                if not check["passed"]:  # the rows that count against it
+                    against = rows_against(check["name"], report["failing_rows"])
+                    for row in against[:ROWS_SHOWN_TEXT]:
+                        click.echo(f"    {row_line(row)}")
+                    if len(against) > ROWS_SHOWN_TEXT:
+                        click.echo(f"    … and {len(against) - ROWS_SHOWN_TEXT} more "
+                                   "(--json lists every row decided wrong)")
             for problem in report["errors"]:  # what `capd lint` says about them, in one line each
                 where = problem["file"] + (f": line {problem['line']}" if problem["line"] is not None else "")
                 click.echo(f"    {where}: {problem['reason']}")
-            if not report["passed"]:
-                click.echo("  rows decided wrong:")
-                for row in report["failing_rows"][:25]:
-                    click.echo(f"    {row['source']}: expected {row['expect']}, got {row['got']} "
-                               f"(best {row['best']} {row['score']:.3f}, margin {row['margin']:.3f})")
     if not all(r["passed"] for r in reports):
         raise SystemExit(EXIT_ERROR)
 
