@@ -198,7 +198,9 @@ def row_ok(table: ScoreTable, outcome: Outcome) -> np.ndarray:
 
 
 def breakdown(table: ScoreTable, outcome: Outcome, worst: int = 10) -> dict[str, Any]:
-    """Per-kind results, per-capability recall and the most frequent confusions."""
+    """Per-kind results, per-capability recall and the most frequent confusions: rows whose
+    capability ranked first (``got``) is not one expected, positives whether it fired or not (a
+    near miss is a trigger to add), nulls when it fired; ``fired`` counts those it activated."""
     ok = row_ok(table, outcome)
     kinds: dict[str, Any] = {}
     for kind in sorted({f.kind for f in table.fixtures}):
@@ -209,6 +211,7 @@ def breakdown(table: ScoreTable, outcome: Outcome, worst: int = 10) -> dict[str,
         kinds[kind] = {**metrics(sub, sub_out), "accuracy": _share(ok[rows], int(rows.sum()))}
     recall: dict[str, dict[str, Any]] = {}
     confusions: Counter[tuple[str, str]] = Counter()
+    fired: Counter[tuple[str, str]] = Counter()
     for row, fixture in enumerate(table.fixtures):
         got = table.names[outcome.winner[row]]
         if fixture.positive and len(fixture.expect) == 1:
@@ -218,12 +221,14 @@ def breakdown(table: ScoreTable, outcome: Outcome, worst: int = 10) -> dict[str,
         if not outcome.correct[row] and (fixture.positive or outcome.fired[row]):
             expected = "/".join(fixture.expect) if fixture.expect else "(abstain)"
             confusions[(expected, got)] += 1
+            fired[(expected, got)] += int(outcome.fired[row])
     for entry in recall.values():
         entry["recall"] = round(entry["fired_right"] / entry["n"], 4)
     return {
         "per_kind": kinds,
         "per_capability": dict(sorted(recall.items())),
-        "confusions": [{"expected": e, "got": g, "count": c} for (e, g), c in confusions.most_common(worst)],
+        "confusions": [{"expected": e, "got": g, "count": c, "fired": fired[(e, g)]}
+                       for (e, g), c in confusions.most_common(worst)],
     }
 
 

@@ -94,8 +94,9 @@ def render(result: dict[str, Any], table: ScoreTable, outcome: Outcome, title: s
     metric_rows = "".join(f"<tr><th>{k}</th><td>{_metric(result.get(k))}</td></tr>" for k in headline)
     kinds = "".join(f"<tr><td>{escape(kind)}</td><td>{v['n']}</td><td>{_metric(v['accuracy'])}</td></tr>"
                     for kind, v in result["per_kind"].items())
-    confusions = "".join(f"<tr><td>{escape(c['expected'])}</td><td>{escape(c['got'])}</td><td>{c['count']}</td></tr>"
-                         for c in result["confusions"]) or "<tr><td colspan=3>none</td></tr>"
+    confusions = "".join(f"<tr><td>{escape(c['expected'])}</td><td>{escape(c['got'])}</td><td>{c['count']}</td>"
+                         f"<td>{c['fired']}</td></tr>" for c in result["confusions"]) \
+        or "<tr><td colspan=4>none</td></tr>"
     gates = f"rule {escape(str(result.get('rule')))}, threshold {_metric(threshold)}, margin {_metric(margin)}, " \
             f"top_k {_metric(result.get('top_k'))}"
     return f"""<!doctype html>
@@ -118,6 +119,6 @@ table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ddd; padding
 <h2>Recall per capability (worst first)</h2>
 {_recall_bars(result["per_capability"])}
 <h2>Most confused pairs</h2>
-<table><tr><th>expected</th><th>router's best</th><th>count</th></tr>{confusions}</table>
+<table><tr><th>expected</th><th>router's best</th><th>count</th><th>activated</th></tr>{confusions}</table>
 </body></html>
 """

@@ -56,7 +56,8 @@ def test_metrics_hand_computed() -> None:
     assert details["per_kind"]["ambiguous"]["accuracy"] == 1.0
     assert details["per_kind"]["null"]["accuracy"] == 0.5
     assert details["per_capability"]["c"] == {"n": 2, "fired_right": 0, "recall": 0.0}
-    assert {"expected": "c", "got": "a", "count": 1} in details["confusions"]
+    assert {"expected": "c", "got": "a", "count": 1, "fired": 1} in details["confusions"]  # m5 fired a
+    assert {"expected": "b", "got": "a", "count": 1, "fired": 0} in details["confusions"]  # m2 ranked a, abstained
 
 
 def test_skipped_rows_abstain() -> None:

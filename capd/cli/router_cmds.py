@@ -197,9 +197,9 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     for kind, entry in result["per_kind"].items():
         click.echo(f"  {kind:<16}n={entry['n']:<5} decided right {_fmt(entry['accuracy'])}")
     if result["confusions"]:
-        click.echo("worst confusions:")
+        click.echo("worst confusions (expected -> ranked first; how many of those it activated):")
         for c in result["confusions"]:
-            click.echo(f"  {c['count']:>4}  {c['expected']} -> {c['got']}")
+            click.echo(f"  {c['count']:>4}  {c['expected']} -> {c['got']}  (activated {c['fired']})")
     if html is not None:
         click.echo(f"report: {html}")
 
