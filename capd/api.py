@@ -85,7 +85,7 @@ from capd.schemas import (
 from capd.service import Service
 from capd.sessions import check_session_id
 from capd.settings import Settings
-from capd.text import finite, printable_strings
+from capd.text import DuplicateKey, finite, printable_strings, unique_keys
 from capd.watcher import TapWatcher
 
 log = logging.getLogger(__name__)
@@ -149,21 +149,6 @@ class _JSON(JSONResponse):
             return super().render(printable_strings(content))
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def strict_json(body: bytes) -> Any:
     """A request body's JSON as capd reads it: UTF-8 (RFC 8259), no key given twice (Python's
     parser keeps the last one, so ``{"session": "a", "session": "b"}`` routed in ``b`` without a
@@ -174,10 +159,10 @@ def strict_json(body: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise json.JSONDecodeError("the body is not UTF-8 text", "", exc.start) from None
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError:
         raise
-    except _DuplicateKey as exc:
+    except DuplicateKey as exc:
         quoted = json.dumps(exc.key, ensure_ascii=False)
         second = text.find(quoted, text.find(quoted) + 1)
         raise json.JSONDecodeError(f"key {quoted} given twice", text, max(second, 0)) from None

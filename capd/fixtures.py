@@ -16,10 +16,9 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from capd.errors import FixtureError
-from capd.text import surrogate_at
+from capd.text import DuplicateKey, surrogate_at, unique_keys
 
 KEYS = ("message", "expect", "kind")
 _LINE_END = re.compile(r"\r\n|\r|\n")  # str.splitlines would also split at U+2028 inside a JSON string
@@ -37,26 +36,11 @@ class Fixture:
         return bool(self.expect)
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are unique: ``{"expect": "git", "expect": null}`` would otherwise
-    silently be a null row (the last value wins)."""
-    row: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in row:
-            raise _DuplicateKey(key)
-        row[key] = value
-    return row
-
-
 def _parse_line(path: Path, number: int, line: str) -> Fixture:
     try:
-        row = json.loads(line, object_pairs_hook=_object)
-    except _DuplicateKey as exc:
-        raise FixtureError(path, f"key {exc.args[0]!r} given twice", number) from None
+        row = json.loads(line, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise FixtureError(path, f"key {exc.key!r} given twice", number) from None
     except json.JSONDecodeError as exc:
         raise FixtureError(path, f"invalid JSON: {exc.msg}", number) from None
     except RecursionError:  # json recurses per nested array or object

@@ -127,3 +127,23 @@ def recall_key(text: str) -> str:
     """How a message is known again: the cleaned text, case and runs of white space aside (the
     bundled model is uncased, and its tokenizer splits on white space, so these are one input)."""
     return " ".join(text.casefold().split())
+
+
+class DuplicateKey(ValueError):
+    """A JSON object gives ``key`` twice (:func:`unique_keys`)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for :func:`json.loads` that refuses a key given twice: Python's parser
+    keeps the last value without a word (``{"expect": "git", "expect": null}`` a null row,
+    ``{"session": "a", "session": "b"}`` a route in ``b``)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
