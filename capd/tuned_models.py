@@ -44,11 +44,19 @@ def set_aside(directory: Path, why: str) -> Path | None:
     """Move a tuned model that cannot be loaded to ``<key>.broken-<stamp>`` (kept for a look, never
     loaded; prune removes it in time like any older model) so that the key is tuned again; None
     if it cannot be moved."""
-    aside = directory.with_name(f"{directory.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
-        directory.rename(aside)
-    except OSError as exc:
-        log.warning("cannot set aside the damaged tuned model %s: %s", directory, exc)
+    stamp = f"{directory.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}"
+    for attempt in range(1, 100):  # a second set-aside of the key within the same second gets its own name
+        aside = directory.with_name(stamp if attempt == 1 else f"{stamp}-{attempt}")
+        if aside.exists():
+            continue
+        try:
+            directory.rename(aside)
+            break
+        except OSError as exc:
+            log.warning("cannot set aside the damaged tuned model %s: %s", directory, exc)
+            return None
+    else:
+        log.warning("cannot set aside the damaged tuned model %s: too many set aside this second", directory)
         return None
     log.warning("tuned model %s is unusable (%s); moved it to %s and tuning again", directory, why, aside)
     return aside

@@ -442,3 +442,16 @@ def test_hard_batches_fill_a_batch_with_the_nearest_capabilities() -> None:
     for batch in hard_batches(items, 3, random.Random(0), NEIGHBOURS)[:2]:  # every capability still pending
         seed = batch[0][0]
         assert [label for label, _, _ in batch] == [seed, *NEIGHBOURS[seed][:2]]
+
+
+def test_a_key_set_aside_twice_in_one_second_keeps_both(tmp_path: Path) -> None:
+    """The second rename found the first set-aside's name taken and failed: the unusable model
+    stayed in place (a restart within the second after a failed tuning adopted it again)."""
+    model = tuned_dir(tmp_path, "k")
+    asides = []
+    for text in ("first", "second"):
+        model.mkdir(parents=True)
+        (model / "weights").write_text(text)
+        asides.append(tuned_models.set_aside(model, "it gives NaN"))
+    assert None not in asides and not model.exists()
+    assert [(a / "weights").read_text() for a in asides if a is not None] == ["first", "second"]
