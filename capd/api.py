@@ -491,9 +491,14 @@ def _reason(error: Mapping[str, Any]) -> str:
     return str(error["msg"])
 
 
+def _media_type(content_type: str) -> str:
+    """A Content-Type without its parameters, lower case (``application/json; charset=utf-8``: ``application/json``)."""
+    return content_type.partition(";")[0].strip().lower()
+
+
 def _is_json(content_type: str) -> bool:
     """Whether a Content-Type is JSON as FastAPI reads it: ``application/json`` or ``application/*+json``."""
-    media = content_type.partition(";")[0].strip().lower()
+    media = _media_type(content_type)
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
@@ -522,13 +527,14 @@ def _refusal(scope: Scope) -> JSONResponse | None:
     """Bad input the routes would take without a word: an encoded slash in a path (the session id is
     the only path parameter; ``victim%2Fenable`` is decoded before routing and enabled in session
     ``victim``), and a query parameter an API endpoint (``/v1/…``) does not declare."""
-    if b"%2f" in scope.get("raw_path", b"").lower() and scope["path"].startswith("/v1/sessions/"):
+    raw_path = scope.get("raw_path", b"")
+    if b"%" in raw_path and b"%2f" in raw_path.lower() and scope["path"].startswith("/v1/sessions/"):
         return _error(422, InvalidSessionId.code, f"invalid session id: {InvalidSessionId.rule}")
     query = scope.get("query_string", b"")
     if not query or not scope["path"].startswith("/v1/"):  # the API's own endpoints (not /docs, /metrics)
         return None
-    route = _matching_route(scope)
-    if not isinstance(route, APIRoute) or route.matches(scope)[0] is not Match.FULL:
+    route = next((r for r in scope["app"].routes if r.matches(scope)[0] is Match.FULL), None)
+    if not isinstance(route, APIRoute):
         return None  # no such endpoint, or not this method: the router's 404 or 405 says so
     known = _query_names(route.dependant)
     unknown = [name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True) if name not in known]
@@ -589,7 +595,7 @@ class _FastRoute:
         if read[-1]["type"] != "http.request":  # the client went away: the app deals with it
             return None
         content_type = Headers(scope=scope).get("content-type", "")
-        if content_type.partition(";")[0].strip().lower() != "application/json":
+        if _media_type(content_type) != "application/json":
             return None
         try:
             return RouteBody.model_validate(strict_json(b"".join(m.get("body", b"") for m in read)))
