@@ -78,41 +78,62 @@ def _parse_line(path: Path, number: int, line: str) -> Fixture:
 def load_fixtures(paths: Iterable[Path]) -> list[Fixture]:
     """Read fixture files; blank lines and lines starting with ``#`` are skipped. A file with no
     row is an error, even beside others that have rows: it is a file its author meant to fill,
-    and measuring nothing of it would pass any floor."""
+    and measuring nothing of it would pass any floor. The first error found is raised."""
     rows: list[Fixture] = []
     for path in paths:
-        before = len(rows)
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise FixtureError(path, f"cannot read: {exc.strerror or exc}") from None
-        try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            read = data[: exc.start]
-            where = read.count(b"\n") + read.count(b"\r") - read.count(b"\r\n") + 1  # \n, \r\n or \r
-            raise FixtureError(path, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", where) from None
-        for number, line in enumerate(_LINE_END.split(text), start=1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                rows.append(_parse_line(Path(path), number, line))
-        if len(rows) == before:
-            raise FixtureError(path, "no fixture rows (every line is blank or a # comment)")
+        found, errors = read_fixture_file(Path(path))
+        if errors:
+            raise errors[0]
+        rows.extend(found)
     return rows
+
+
+def read_fixture_file(path: Path) -> tuple[list[Fixture], list[FixtureError]]:
+    """The rows of one fixture file and every line's error (``capd lint`` lists them all)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return [], [FixtureError(path, f"cannot read: {exc.strerror or exc}")]
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        read = data[: exc.start]
+        where = read.count(b"\n") + read.count(b"\r") - read.count(b"\r\n") + 1  # \n, \r\n or \r
+        return [], [FixtureError(path, f"not UTF-8 text (byte 0x{data[exc.start]:02x})", where)]
+    rows: list[Fixture] = []
+    errors: list[FixtureError] = []
+    for number, line in enumerate(_LINE_END.split(text), start=1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                rows.append(_parse_line(path, number, line))
+            except FixtureError as exc:
+                errors.append(exc)
+    if not rows and not errors:
+        errors.append(FixtureError(path, "no fixture rows (every line is blank or a # comment)"))
+    return rows, errors
 
 
 def check_names(fixtures: Sequence[Fixture], known: Iterable[str], broken: Iterable[str] = ()) -> None:
     """Every expected name must exist in the catalog; a typo would silently count as a miss.
     ``broken`` names capabilities whose files failed to load: a fixture expecting one says so,
-    rather than that no such capability exists."""
+    rather than that no such capability exists. The first error found is raised."""
+    for error in name_errors(fixtures, known, broken):
+        raise error
+
+
+def name_errors(fixtures: Iterable[Fixture], known: Iterable[str],
+                broken: Iterable[str] = ()) -> Iterable[FixtureError]:
+    """One error per fixture row expecting a name the catalog lacks (see :func:`check_names`)."""
     names, failed = set(known), set(broken)
     for fixture in fixtures:
         unknown = [e for e in fixture.expect if e not in names]
         if unknown:
             file, _, line = fixture.source.rpartition(":")
             if not_loaded := [e for e in unknown if e in failed]:
-                raise FixtureError(file, f"expects {', '.join(map(repr, not_loaded))}, which failed to load "
+                yield FixtureError(file, f"expects {', '.join(map(repr, not_loaded))}, which failed to load "
                                          "(the tap error above; `capd lint` names it)", int(line))
-            raise FixtureError(file, f"expects unknown capability {', '.join(map(repr, unknown))}", int(line))
+            else:
+                yield FixtureError(file, f"expects unknown capability {', '.join(map(repr, unknown))}", int(line))
 
 
 def tap_fixture_files(tap: Path) -> list[Path]:

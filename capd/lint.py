@@ -19,7 +19,9 @@ but probably not as meant), ``info`` (worth knowing). Checks:
   otherwise only "no triggers"; keys far from every known one may belong to other tools and
   are left alone);
 - routing-only capabilities (info: no provider, plans carry no servers);
-- with an encoder: near-duplicate triggers across capabilities (see :mod:`capd.lint_embed`).
+- with an encoder: near-duplicate triggers across capabilities (see :mod:`capd.lint_embed`);
+- the tap's ``fixtures/*.jsonl`` (:func:`lint_fixtures`): lines ``capd test`` refuses, unknown
+  expected capabilities (errors), repeated, conflicting, too-short and trigger-copying rows (warnings).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from capd.catalog import Capability, Catalog, Problem
-from capd.taps import _line_of
+from capd.fixtures import Fixture, name_errors, read_fixture_file, tap_fixture_files
+from capd.taps import _line_of, trigger_lines
+from capd.text import clean_message, recall_key
 
 MIN_TRIGGER_CHARS = 8
 CONFIG_KEYS = ("triggers", "domains", "description")
@@ -43,16 +47,16 @@ def _normal(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def _trigger_line(capability: Capability, trigger: str) -> int | None:
+def _trigger_line(capability: Capability, trigger: str, nth: int = 0,
+                  key: Callable[[str], str] = str.strip) -> int | None:
+    """The line of the ``nth`` trigger equal to ``trigger`` (compared through ``key``), else of ``triggers``."""
     config = capability.path / "config.toml"
     try:
-        text = config.read_text(encoding="utf-8")
+        text = config.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError):
         return None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if trigger in line:
-            return number
-    return _line_of(text, "triggers")
+    lines = [line for value, line in trigger_lines(text) if key(value) == key(trigger)]
+    return lines[nth] if len(lines) > nth else lines[-1] if lines else _line_of(text, "triggers")
 
 
 def _server_line(text: str, name: str, nth: int = 0) -> int | None:
@@ -94,16 +98,18 @@ def _check_triggers(capability: Capability) -> Iterable[Problem]:
         yield Problem("warning", where, "no triggers: never auto-activated (it can still be enabled by name)",
                       capability=capability.name, code="no-triggers")
         return
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
+    exact: dict[str, int] = {}
     for trigger in capability.triggers:
+        nth = exact[trigger] = exact.get(trigger, -1) + 1
         if len("".join(trigger.split())) < MIN_TRIGGER_CHARS:
             yield Problem("warning", config, f"trigger {trigger!r} is shorter than {MIN_TRIGGER_CHARS} characters",
-                          _trigger_line(capability, trigger), capability.name, "short-trigger")
+                          _trigger_line(capability, trigger, nth), capability.name, "short-trigger")
         key = _normal(trigger)
-        if key in seen:
-            yield Problem("warning", config, f"trigger {trigger!r} appears twice", _trigger_line(capability, trigger),
-                          capability.name, "duplicate-trigger")
-        seen.add(key)
+        repeat = seen[key] = seen.get(key, -1) + 1
+        if repeat:
+            yield Problem("warning", config, f"trigger {trigger!r} appears twice",
+                          _trigger_line(capability, trigger, repeat, _normal), capability.name, "duplicate-trigger")
 
 
 def _check_keys(capability: Capability) -> Iterable[Problem]:
@@ -130,7 +136,7 @@ def _cross_duplicates(catalog: Catalog) -> Iterable[Problem]:
             if first is not capability:
                 yield Problem("error", str(capability.path / "config.toml"),
                               f"trigger {trigger!r} is also a trigger of {first.name!r}; one phrase cannot route "
-                              "to two capabilities", _trigger_line(capability, trigger), capability.name,
+                              "to two capabilities", _trigger_line(capability, trigger, key=_normal), capability.name,
                               "shared-trigger")
 
 
@@ -160,8 +166,55 @@ def lint_catalog(catalog: Catalog) -> list[Problem]:
         problems.extend(_check_keys(capability))
     problems.extend(_cross_duplicates(catalog))
     problems.extend(_server_conflicts(catalog))
+    return ordered(problems)
+
+
+def ordered(problems: Iterable[Problem]) -> list[Problem]:
+    """Errors first, then warnings, then notes; by file and line within each."""
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(problems, key=lambda p: (order[p.severity], p.file, p.line or 0))
+
+
+def lint_fixtures(catalog: Catalog, min_chars: int = MIN_TRIGGER_CHARS) -> list[Problem]:
+    """Findings about each tap's ``fixtures/*.jsonl``: every line ``capd test`` would refuse, each
+    row expecting a capability the taps lack, and rows that measure nothing useful: one message
+    given twice (once with another answer: one of the two rows always fails), a positive too short
+    to route (under ``min_chars`` it is skipped, so it always fails), a message that is word for word
+    a trigger of the capability it expects (it measures memory, not routing)."""
+    broken = {p.capability for p in catalog.errors if p.capability is not None}
+    problems: list[Problem] = []
+    for tap in catalog.taps:
+        for path in tap_fixture_files(tap):
+            rows, errors = read_fixture_file(path)
+            errors.extend(name_errors(rows, catalog.capabilities, broken))
+            problems.extend(Problem("error", str(e.path), e.reason, e.line, code="fixture-invalid") for e in errors)
+            problems.extend(_doubtful_rows(catalog, rows, min_chars))
+    return problems
+
+
+def _doubtful_rows(catalog: Catalog, rows: list[Fixture], min_chars: int) -> Iterable[Problem]:
+    first: dict[str, Fixture] = {}
+    for row in rows:
+        file, _, line = row.source.rpartition(":")
+        text, long_enough = clean_message(row.message, min_chars)
+        key = recall_key(text)
+        earlier = first.setdefault(key, row)
+        if earlier is not row:
+            if set(earlier.expect) == set(row.expect):
+                yield Problem("warning", file, f"the same message as line {earlier.source.rpartition(':')[2]}, "
+                              "with the same answer: it is counted twice", int(line), code="fixture-duplicate")
+            else:
+                yield Problem("warning", file, f"the same message as line {earlier.source.rpartition(':')[2]}, "
+                              "with another answer: one of the two rows always fails", int(line),
+                              code="fixture-conflict")
+        if row.positive and not long_enough:
+            yield Problem("warning", file, f"a positive shorter than {min_chars} characters after removing tags: "
+                          "the router skips it, so it always fails", int(line), code="fixture-short")
+        for name in row.expect:
+            capability = catalog.get(name)
+            if capability is not None and key in {recall_key(t) for t in capability.triggers}:
+                yield Problem("warning", file, f"the message is a trigger of {name!r}: it measures memory, "
+                              "not routing (use a paraphrase)", int(line), name, "fixture-is-trigger")
 
 
 def summarise(problems: list[Problem], taps: Iterable[Path]) -> dict[str, object]:

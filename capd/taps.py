@@ -161,6 +161,51 @@ def _line_of(text: str, key: str, start: int = 0, end: int | None = None) -> int
     return text.count("\n", 0, match.start()) + 1 if match else None
 
 
+def _string_tokens(text: str, start: int) -> Iterable[tuple[str, int]]:
+    """The TOML string literals of the array that opens at or after offset ``start``, each with its
+    offset, up to the array's closing bracket (nested arrays are walked through)."""
+    depth, at = 0, start
+    while at < len(text):
+        char = text[at]
+        if char == "#":
+            at = text.find("\n", at)
+            at = len(text) if at < 0 else at
+        elif char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth <= 0:
+                return
+        elif char in "\"'":
+            quote = text[at:at + 3] if text.startswith(char * 3, at) else char
+            end = at + len(quote)
+            while end < len(text) and not text.startswith(quote, end):
+                end += 2 if char == '"' and text[end] == "\\" else 1
+            end += len(quote)
+            for _ in range(2 if quote != char else 0):  # up to two quotes of the content may end a """…""" string
+                end += text.startswith(char, end)
+            yield text[at:end], at
+            at = end
+            continue
+        at += 1
+
+
+def trigger_lines(text: str) -> list[tuple[str, int]]:
+    """Each trigger of a ``config.toml`` in file order with the line its string starts on, decoded
+    as TOML decodes it (escapes, literal and multi-line strings); empty when the file does not read."""
+    key = re.compile(r"^[ \t]*[\"']?triggers[\"']?\s*=", re.M).search(text)
+    if key is None:
+        return []
+    found = []
+    for token, offset in _string_tokens(text, key.end()):
+        try:
+            value = tomllib.loads(f"v = {token}")["v"]
+        except tomllib.TOMLDecodeError:
+            return []
+        found.append((value, text.count("\n", 0, offset) + 1))
+    return found
+
+
 def _line_in_table(text: str, table: str, key: str) -> int | None:
     """The line of ``key = …`` among the ``[table]`` header's own lines; None without that header
     or that key under it (``threshold`` in [gates] and in [gates.fused] are two lines)."""
@@ -293,7 +338,9 @@ def _load_config(path: Path, folder: _Folder) -> tuple[tuple[str, ...], tuple[st
     triggers = check.strings(table, "triggers")
     for trigger in triggers:
         if not trigger.strip():
-            raise TapFileError(path, "triggers must not contain empty strings", _line_of(text, "triggers"))
+            empty = [line for value, line in trigger_lines(text) if not value.strip()]
+            raise TapFileError(path, "triggers must not contain empty strings",
+                               empty[0] if empty else _line_of(text, "triggers"))
     domains = check.strings(table, "domains")
     description = check.optional_str(table, "description")
     return tuple(t.strip() for t in triggers), domains, description

@@ -130,3 +130,80 @@ def test_one_server_name_two_specs_across_capabilities_is_a_warning(tmp_path: Pa
     assert code == 0 and [c["capability"] for c in conflicts] == ["postgres-admin"], conflicts
     assert conflicts[0]["severity"] == "warning" and "'postgres' is also defined by 'database-postgres'" in str(
         conflicts[0]["reason"])
+
+
+def test_each_trigger_finding_points_at_the_string_it_is_about(tmp_path: Path) -> None:
+    """Lines come from the trigger strings as TOML reads them: not the first line that merely
+    contains the text (the description, a comment, a longer trigger), and a repeat is the second one."""
+    tap = octomind_tap(tmp_path)
+    folder = write_capability(tap, "gitlog", None)
+    (folder / "config.toml").write_text(
+        'description = "show git log history"\n'      # 1: contains both triggers below
+        "triggers = [\n"                               # 2
+        '  "show git log history", # "git log"\n'      # 3
+        "  'git log',\n"                               # 4: short
+        '  """look at the\n'                           # 5: multi-line
+        'commit history""",\n'                        # 6
+        '  "Show Git Log History",\n'                  # 7: repeat of line 3
+        '  "say \\"hi\\" to the log",\n'               # 8: escapes
+        "]\n")
+    other = write_capability(tap, "other", None)
+    (other / "config.toml").write_text('triggers = [\n  "open the dashboard",\n  "SAY \\"HI\\" TO THE LOG",\n]\n')
+    _, report = _lint(str(tap))
+    found = {(p["capability"], p["code"]): p["line"] for p in report["problems"]}  # type: ignore[union-attr,index]
+    assert found[("gitlog", "short-trigger")] == 4
+    assert found[("gitlog", "duplicate-trigger")] == 7
+    shared = [p for p in report["problems"] if p["code"] == "shared-trigger"]  # type: ignore[union-attr,index]
+    assert [(p["capability"], p["line"]) for p in shared] == [("other", 3)]  # type: ignore[index]
+
+
+def test_an_empty_trigger_is_reported_on_its_own_line(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    folder = write_capability(tap, "blank", None)
+    (folder / "config.toml").write_text('triggers = [\n  "a real trigger here",\n  "   ",\n]\n')
+    _, report = _lint(str(tap))
+    (found,) = [p for p in report["problems"] if p["code"] == "invalid"  # type: ignore[union-attr,index]
+                and "empty strings" in str(p["reason"])]  # type: ignore[index]
+    assert found["line"] == 3  # type: ignore[index]
+
+
+def test_fixture_files_are_linted_line_by_line(tmp_path: Path) -> None:
+    """Every line `capd test` would refuse is listed (not only the first), and rows that cannot
+    measure routing are warned about, each with its line."""
+    tap = octomind_tap(tmp_path)
+    (tap / "fixtures").mkdir()
+    rows = [
+        {"message": "show me the columns of the users table", "expect": "database-postgres"},  # 1: fine
+        "{not json",                                                                           # 2
+        {"message": "open the staging dashboard please", "expect": "dashboards"},              # 3: unknown
+        {"message": "Show me the columns of the  users table", "expect": "database-postgres"},  # 4: repeat of 1
+        {"message": "show me the columns of the users table", "expect": None},                  # 5: conflicts with 1
+        {"message": "<ctx>logs</ctx> ls", "expect": "filesystem-read"},                         # 6: too short
+        {"message": "Read a file from disk", "expect": "filesystem-read"},                      # 7: a trigger
+        {"message": "hi", "expect": None},  # 8: a short null: fine
+        {"message": "x", "expect": "smalltalk", "kidn": "typo"},                                # 9: unknown key
+    ]
+    (tap / "fixtures" / "routing.jsonl").write_text(
+        "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    code, report = _lint(str(tap))
+    assert code == 1
+    found = [(p["code"], p["line"]) for p in report["problems"]  # type: ignore[union-attr,index]
+             if str(p["code"]).startswith("fixture")]  # type: ignore[index]
+    assert found == [("fixture-invalid", 2), ("fixture-invalid", 3), ("fixture-invalid", 9),
+                     ("fixture-duplicate", 4), ("fixture-conflict", 5), ("fixture-short", 6),
+                     ("fixture-is-trigger", 7)]
+    by_line = {p["line"]: p for p in report["problems"]}  # type: ignore[union-attr,index]
+    assert "unknown capability 'dashboards'" in by_line[3]["reason"]  # type: ignore[index,operator]
+    assert "line 1" in by_line[5]["reason"]  # type: ignore[index,operator]
+    assert str(by_line[2]["file"]).endswith("fixtures/routing.jsonl")  # type: ignore[index]
+
+
+def test_a_fixture_expecting_a_capability_that_failed_to_load_says_so(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    folder = write_capability(tap, "broken", None)
+    (folder / "config.toml").write_text("triggers = [\n")
+    (tap / "fixtures").mkdir()
+    (tap / "fixtures" / "f.jsonl").write_text(json.dumps({"message": "run the broken thing", "expect": "broken"}))
+    _, report = _lint(str(tap))
+    (found,) = [p for p in report["problems"] if p["code"] == "fixture-invalid"]  # type: ignore[union-attr,index]
+    assert "'broken', which failed to load" in found["reason"] and found["line"] == 1  # type: ignore[index,operator]

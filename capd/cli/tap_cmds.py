@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from capd.cli.common import EXIT_ERROR, PathParam, build_settings, emit_json, settings_options
-from capd.lint import lint_catalog, summarise
+from capd.lint import lint_catalog, lint_fixtures, ordered, summarise
 from capd.taps import load_catalog
 
 
@@ -19,17 +19,19 @@ from capd.taps import load_catalog
               help="Also check near-duplicate triggers across capabilities with the model.")
 def lint(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...], data_dir: Path | None,
          model: str | None, backend: str | None, as_json: bool, embeddings: bool) -> None:
-    """Check taps for errors and doubtful triggers; exit 1 on errors.
+    """Check taps and their fixtures for errors and doubtful triggers; exit 1 on errors.
 
     Example: capd lint taps/core
     """
     settings = build_settings(config, taps=(*tap_args, *taps), data_dir=data_dir, model=model, backend=backend)
     catalog = load_catalog(settings.taps)
     problems = lint_catalog(catalog)
+    problems.extend(lint_fixtures(catalog, settings.min_chars))
     if embeddings:
         from capd.lint_embed import near_duplicates
 
         problems.extend(near_duplicates(catalog, settings))
+    problems = ordered(problems)
     report = summarise(problems, catalog.taps)
     if as_json:
         emit_json({**report, "capabilities": len(catalog), "triggers": catalog.trigger_count})
