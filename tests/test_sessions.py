@@ -617,6 +617,18 @@ def test_idle_sessions_expire_after_ttl(make: Make, clock: Clock) -> None:
     assert registry.sessions() == ()
 
 
+def test_an_infinite_ttl_keeps_sessions_until_they_are_ended(make: Make, clock: Clock) -> None:
+    """``CAPD_SESSION_TTL=inf`` is a supported setting (README): nothing expires, ``end`` still ends."""
+    registry = make(ttl=float("inf"))
+    registry.activate("s1", "git")
+    registry.activate("s2", "git")
+    clock.tick(10 * 365 * 86400)
+    assert registry.expire() == []
+    assert registry.active_names("s1") == ("git",)
+    registry.drop("s2")
+    assert registry.sessions() == ("s1",)
+
+
 def test_a_session_idle_past_ttl_is_gone_when_next_used(make: Make, clock: Clock) -> None:
     """Not only at the sweep (every 60 s in the daemon, and not yet after a restart): a late call
     neither sees nor revives an expired session, and a plan says what to tear down."""
