@@ -13,7 +13,8 @@ Failure policy (losing the cache only costs time, so it never stops capd):
 
 - a corrupt file, or a foreign one (another program's SQLite database, or a different
   schema version), is renamed to ``vectors.sqlite3.corrupt-<timestamp>`` with a logged
-  warning, and a fresh cache is created in its place;
+  warning, and a fresh cache is created in its place; the newest ``KEEP_SET_ASIDE`` such copies
+  are kept, older ones deleted;
 - a file another process holds locked while this one opens it ("database is locked": SQLite
   does not always wait in its busy handler, e.g. while another process switches the file to
   WAL or recovers it) is never taken for a corrupt one: opening retries for up to
@@ -29,6 +30,7 @@ whose hashes are missing, and each distinct text once.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import logging
 import sqlite3
@@ -54,6 +56,7 @@ OPEN_RETRY_S = BUSY_TIMEOUT_S  # how long opening retries a file another process
 OPEN_RETRY_PAUSE_S = 0.05
 CHUNK = 500  # SQL parameters per statement
 LOOKUP_SLICE = 4096  # texts looked up at a time by CachedEmbedder
+KEEP_SET_ASIDE = 2  # unusable caches kept for a look (see VectorCache._prune_set_asides)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS vectors (
@@ -174,8 +177,10 @@ class VectorCache:
 
     @staticmethod
     def _set_aside(path: Path, why: str) -> None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+        stamp = f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+        taken = [_set_aside_order(p)[1] for p in path.parent.glob(f"{glob.escape(stamp)}*")]
+        # a second one within the second gets the next number (renaming over the first lost it)
+        aside = path.with_name(f"{stamp}-{max(taken) + 1}" if taken else stamp)
         log.warning("vector cache %s is unusable (%s); moved it to %s and starting a new one", path, why, aside)
         try:
             path.rename(aside)
@@ -186,6 +191,23 @@ class VectorCache:
         except OSError as exc:
             raise CacheError(f"{path}: the vector cache is unusable ({why}) and cannot be moved aside: {exc}") \
                 from None
+        VectorCache._prune_set_asides(path)
+
+    @staticmethod
+    def _prune_set_asides(path: Path) -> None:
+        """Keep the newest :data:`KEEP_SET_ASIDE` copies set aside (each is a whole cache, and a disk
+        that keeps damaging the file would otherwise fill up with them); older ones are deleted."""
+        copies = sorted((p for p in path.parent.glob(f"{glob.escape(path.name)}.corrupt-*")
+                         if not p.name.endswith(("-wal", "-shm"))), key=_set_aside_order, reverse=True)
+        for old in copies[KEEP_SET_ASIDE:]:
+            for victim in (old, old.with_name(old.name + "-wal"), old.with_name(old.name + "-shm")):
+                try:
+                    victim.unlink(missing_ok=True)
+                except OSError as exc:
+                    log.warning("cannot remove the old vector cache copy %s: %s", victim, exc)
+                    break
+            else:
+                log.info("removed %s: only the newest %d unusable vector caches are kept", old, KEEP_SET_ASIDE)
 
     # -- operations --------------------------------------------------------------------------
 
@@ -350,6 +372,13 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
 
 # Errors of the file's surroundings, not its contents: a full disk (SQLITE_FULL) used to be taken for
 # a corrupt file, set aside, and the fresh cache failing the same way escaped as a traceback.
+def _set_aside_order(path: Path) -> tuple[str, int]:
+    """``…corrupt-<stamp>[-<n>]`` in the order they were set aside (by name: a rename keeps the mtime)."""
+    stamp, _, rest = path.name.rpartition(".corrupt-")[2].partition("-")
+    time_part, _, nth = rest.partition("-")
+    return f"{stamp}-{time_part}", int(nth) if nth.isdigit() else 1
+
+
 _ACCESS_CODES = (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM, sqlite3.SQLITE_IOERR,
                  sqlite3.SQLITE_FULL, sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_AUTH)
 

@@ -19,7 +19,7 @@ from filelock import FileLock
 from capd import vectorcache
 from capd.encoder import HashEncoder, Vectors
 from capd.errors import CacheError, ModelError
-from capd.vectorcache import CACHE_FILE, CachedEmbedder, VectorCache, text_hash
+from capd.vectorcache import CACHE_FILE, KEEP_SET_ASIDE, CachedEmbedder, VectorCache, text_hash
 
 
 class CountingEncoder(HashEncoder):
@@ -234,6 +234,19 @@ def test_corrupt_file_is_set_aside_and_rebuilt(tmp_path: Path, caplog: pytest.Lo
     (aside,) = tmp_path.glob(f"{CACHE_FILE}.corrupt-*")
     assert aside.read_bytes().startswith(b"this is not a database")
     assert "unusable" in caplog.text and str(aside) in caplog.text
+
+
+def test_only_the_newest_set_aside_copies_are_kept(tmp_path: Path) -> None:
+    """A disk that keeps damaging the file must not fill up with whole caches: four corruptions
+    within one second leave the two newest copies, each under its own name (a second set-aside
+    within a second renamed over the first)."""
+    for n in range(4):
+        (tmp_path / CACHE_FILE).write_bytes(f"damaged copy {n} ".encode() * 500)
+        with VectorCache.open(tmp_path) as cache:
+            assert cache.persistent
+    kept = sorted(p.read_bytes()[:14] for p in tmp_path.glob(f"{CACHE_FILE}.corrupt-*"))
+    assert kept == [b"damaged copy 2", b"damaged copy 3"]
+    assert KEEP_SET_ASIDE == 2
 
 
 def test_foreign_database_is_set_aside(tmp_path: Path) -> None:
