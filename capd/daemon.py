@@ -23,7 +23,7 @@ from capd.api import create_app
 from capd.atomic import flocked
 from capd.client import bare_host, base_url
 from capd.errors import CapdError
-from capd.settings import Settings
+from capd.settings import Settings, check_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,7 @@ def serve(settings: Settings) -> None:
     # messages word for word (a prompt holding a password), and the default umask made them 0644.
     os.umask(0o077)
     configure_logging(settings.log_level)
+    check_data_dir(settings.data_dir)  # before listening: a refused directory is a start that fails at once
     sock, lock = bind(settings)
     # The port actually bound: with --port 0 the system chooses one.
     where = str(settings.uds) if settings.uds is not None else base_url(settings.host, sock.getsockname()[1])

@@ -44,7 +44,7 @@ from capd.router import (
     example_catalog,
 )
 from capd.sessions import Plan, SessionRegistry
-from capd.settings import Settings
+from capd.settings import Settings, check_data_dir
 from capd.state import SessionStore, sessions_owner
 from capd.text import clean_message, printable
 from capd.tuned_models import InUse, is_tuned, prune, set_aside, tuned_dir
@@ -145,6 +145,9 @@ class Service:
         self.tuner = Tuner(settings, self.catalog_now, self._use_tuned)
         self._cache: VectorCache | None = None
         self._holds: list[tuple[Encoder, InUse]] = []  # tuned models in use, with the encoder using each
+        # The tuned model self.encoder embeds with (None: untuned). It leads self.tuning.key while a
+        # switch re-embeds: publishing picks gates by it, and health shows the switch once it is published.
+        self._encoder_key: str | None = None
         self._sessions_owner: BinaryIO | None = None  # see sessions_owner()
         self._closed = False
 
@@ -157,6 +160,7 @@ class Service:
     def start(self) -> Service:
         """Load the model, the cache and the taps; build the index. Blocking; call once."""
         try:
+            check_data_dir(self.settings.data_dir)
             base = self._encoder_override or open_encoder(self.settings)
             self.encoder = MicroBatcher(base)
             self._check_open()
@@ -392,16 +396,16 @@ class Service:
             self.tuning.failed(f"cannot load the tuned model {path}: {exc}")
             return None
         assert self._cache is not None
-        before = (self.encoder, self.embedder, self.index, self.tuning.key, self.tuning.model, self.tuning.status)
+        before = (self.encoder, self.embedder, self.index, self._encoder_key)
         self.encoder = MicroBatcher(tuned)
         self._holds.append((self.encoder, hold))
         self.embedder = CachedEmbedder(self.encoder, self._cache)
         self.index = TriggerIndex(self.encoder.dim)
-        self.tuning.switched(key, path)
+        self._encoder_key = key
 
         def undo() -> None:
             switched = self.encoder
-            self.encoder, self.embedder, self.index, self.tuning.key, self.tuning.model, self.tuning.status = before
+            self.encoder, self.embedder, self.index, self._encoder_key = before
             self._retire(switched)
 
         return undo
@@ -449,6 +453,8 @@ class Service:
             return True
 
     def _switched(self, path: Path, key: str, previous: Encoder | None) -> None:
+        """The switch to ``key`` is published: health and the tuner see it from here on."""
+        self.tuning.switched(key, path)
         log.info("routing with the tuned model %s", path)
         prune(self.settings.data_dir, key)
         self._retire(previous)
@@ -561,7 +567,7 @@ class Service:
         return self._gate_model(manifest_for(self.settings).name)
 
     def _gate_model(self, manifest_name: str) -> str:
-        return f"{manifest_name}+tuned" if self.tuning.key is not None else manifest_name
+        return f"{manifest_name}+tuned" if self._encoder_key is not None else manifest_name
 
     @property
     def router(self) -> Router:
@@ -692,12 +698,18 @@ class Service:
                            "reason": printable(self.learned.error.removeprefix(f"{self.learned.path}: "))})
         return errors
 
+    def _routing_model_id(self) -> str:
+        """The model the served snapshot routes with (a tuned one being switched to is not yet it)."""
+        snapshot = self._snapshot
+        encoder = snapshot.router.encoder if snapshot is not None else self.encoder
+        return encoder.model_id if encoder is not None else self.settings.model
+
     def health(self) -> dict[str, Any]:
         catalog = self.catalog_now()
         return {
             "status": "error" if self.startup_error else "ok" if self.ready else "starting",
             "ready": self.ready,
-            "model": self.encoder.model_id if self.encoder else self.settings.model,
+            "model": self._routing_model_id(),
             "capabilities": len(catalog),
             "triggers": catalog.trigger_count,
             "embedded": self.counters.embedded,

@@ -62,6 +62,25 @@ def default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("capd", appauthor=False))
 
 
+def check_data_dir(path: Path) -> None:
+    """Refuse a data directory another user could have filled: one owned by another user, or one
+    every user may write to. capd loads models from it (ONNX exports, tuned models) and keeps users'
+    messages in it, so a directory someone else controls would route with their model and read
+    what this user types. A directory that is not there yet is created (for this user only, under the
+    daemon's umask) by whatever first writes to it; one that cannot be looked at is left to the stores,
+    which fall back to memory."""
+    try:
+        info = path.stat()
+    except OSError:
+        return
+    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        raise ConfigError(str(path), "data_dir", f"belongs to another user (uid {info.st_uid}): capd loads models "
+                          "from it and keeps your messages in it; use a directory of your own (--data-dir)")
+    if info.st_mode & stat.S_IWOTH:
+        raise ConfigError(str(path), "data_dir", "can be written by every user: capd loads models from it and "
+                          f"keeps your messages in it; make it yours alone (chmod 700 {path}) or use another")
+
+
 def default_config_path() -> Path:
     return Path(platformdirs.user_config_dir("capd", appauthor=False, roaming=False)) / "config.toml"
 

@@ -11,7 +11,7 @@ import pytest
 
 import capd.settings as settings_module
 from capd.errors import ConfigError
-from capd.settings import ENV_VARS, OTHER_ENV_VARS, Settings, load_settings
+from capd.settings import ENV_VARS, OTHER_ENV_VARS, Settings, check_data_dir, load_settings
 
 
 def test_defaults(tmp_path: Path) -> None:
@@ -260,3 +260,37 @@ def test_every_capd_variable_read_anywhere_is_known() -> None:
     not_variables = {"CAPD_POINT"}  # a gates constant in tests/test_fused.py
     assert "CAPD_TAPS" in named and "CAPD_RELIABILITY" in named
     assert named - not_variables <= set(ENV_VARS) | set(OTHER_ENV_VARS)
+
+
+def test_a_data_directory_others_can_write_or_own_is_refused(tmp_path: Path) -> None:
+    """capd loads models from its data directory and keeps users' messages there."""
+    mine = tmp_path / "mine"
+    check_data_dir(mine)  # not there yet: whatever writes first creates it, for this user only
+    mine.mkdir(mode=0o755)
+    check_data_dir(mine)
+    mine.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"can be written by every user.*chmod 700"):
+        check_data_dir(mine)
+    mine.chmod(0o700)
+    if os.geteuid() != 0:
+        return  # only root can give a directory away
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ConfigError, match=r"belongs to another user \(uid 65534\)"):
+        check_data_dir(theirs)
+
+
+def test_a_daemon_on_a_refused_data_directory_fails_at_once(tmp_path: Path) -> None:
+    """`capd serve` says why and exits 1 before it listens, rather than answer 'failed to start'."""
+    from click.testing import CliRunner
+
+    from capd.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    data.chmod(0o777)
+    result = CliRunner().invoke(main, ["serve", "--tap", str(tmp_path), "--data-dir", str(data), "--port", "0"])
+    assert result.exit_code == 1, result.output
+    assert "can be written by every user" in result.output
+    assert oct(data.stat().st_mode & 0o777) == "0o777"  # nothing changed on the user's directory

@@ -26,9 +26,11 @@ import capd.onnx_export as onnx_export
 import capd.tuned_models as tuned_models
 import capd.tuner as tuner_module
 from benchmarks.quality.tune_trial import hard_batches
+from capd.catalog import Catalog
 from capd.cli import main
 from capd.encoder import Encoder
 from capd.errors import CapdError
+from capd.index import SyncReport
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
@@ -361,17 +363,34 @@ def test_daemon_serves_while_tuning_then_swaps_and_retunes_after_an_edit(
     tap = write_tap(tmp_path / "tap", {n: t[:4] for n, t in TRIGGERS.items()})  # not the module's tap: tunes afresh
     settings = replace(isolated_data_dir(model_settings, tmp_path), taps=(tap,), tune=True)
     service = Service(settings, sessions=True).start()
+    mid_switch: list[dict[str, object]] = []  # what health said while a switch re-embedded, before publishing
+    publish = Service._publish
+
+    def watched(self: Service, catalog: Catalog) -> SyncReport:
+        if self is service and self._snapshot is not None and self.encoder is not self.router.encoder:
+            mid_switch.append({"served": self.router.encoder.model_id, **self.health()})
+        return publish(self, catalog)
+
+    monkeypatch.setattr(Service, "_publish", watched)
     try:
         assert service.tuning.status == "tuning"  # start() did not wait for it
         assert service.health()["model"] == real_encoder.model_id
         assert service.route("list running containers", "s1").decision.decision in ("activate", "abstain")
         first = wait_for(service, lambda s: s.tuning.status == "ready")
+        # health said "ready" with the new key while the switch was still re-embedding (README: ready
+        # means routing uses it); it now tells what the served snapshot routes with
+        assert mid_switch and all(h["model"] == h["served"] == real_encoder.model_id for h in mid_switch)
+        assert all(h["tuning"]["status"] == "tuning" and h["tuning"]["key"] is None  # type: ignore[index]
+                   for h in mid_switch)
+        mid_switch.clear()
         assert service.health()["model"] != real_encoder.model_id and ":onnx:" in service.health()["model"]
         assert service.route("list running containers", "s1").decision.capability == "docker"
 
         write_capability(tap, "docker", [*TRIGGERS["docker"][:4], "remove dangling images"])
         service.reload()
         second = wait_for(service, lambda s: s.tuning.status == "ready" and s.tuning.key != first)
+        assert mid_switch and all(h["tuning"]["key"] == first and h["model"] == h["served"]  # type: ignore[index]
+                                  for h in mid_switch)
         assert second != first and is_tuned(tuned_dir(settings.data_dir, first))  # the last few are kept
         assert "remove dangling images" in service.router.index.triggers("docker")
         assert service.health()["tuning"]["key"] == second
