@@ -219,6 +219,7 @@ def fit_gates(variants: Variants, rows: np.ndarray, grid: Grid, max_null_fpr: fl
     fitted = {}
     for on, full in variants.items():
         point, curve = best_point({k: t.subset(rows) for k, t in full.items()}, max_null_fpr, max_wrong, grid)
+        curve = [replace(c, abstain_corpus=on) for c in curve]  # each point says which variant it was measured on
         fitted[on] = (replace(point, abstain_corpus=on) if point is not None else None, curve, full)
     right = {on: p.fired_right if p is not None else None for on, (p, _, _) in fitted.items()}
     corpus = {"without": right[False], "with": right.get(True)}
@@ -236,13 +237,16 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
     never fire."""
     fit_rows, held_rows = split(fixtures)
     positives = sum(fixtures[i].positive for i in fit_rows)
+    nulls = len(fit_rows) - positives
+    counts = {"fit": len(fit_rows), "held_out": len(held_rows), "fit_nulls": nulls}
     if not positives:  # every point would tie at fired_right 0, and the tie goes to the gates that fire least
         return {"rule": router.rule, "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
-                "rows": {"fit": len(fit_rows), "held_out": len(held_rows)}, "recommended": None,
+                "rows": counts, "recommended": None,
                 "error": f"no positive row to fit on ({sum(f.positive for f in fixtures)} positive rows in all, "
                          f"and calibration fits on about {1 - HELD_OUT_SHARE:.0%} of the rows, chosen by a hash of "
                          "each message): add rows that expect a capability",
-                "abstain_corpus": {"without": None, "with": None}, "curve": []}
+                "abstain_corpus": {"without": None, "with": None}, "curve": [],
+                "warnings": [NO_NULLS] if nulls == 0 else []}
     vectors, tokens = embed_fixtures(router, fixtures)
     grid = grid or grid_for(router.rule)
     variants = score_variants(router, fixtures, vectors, tokens, grid)
@@ -253,11 +257,10 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         point, error = None, (f"no gates within the limits fire any of the {positives} fit positive rows right "
                               "(too short to route, expecting capabilities without triggers, or beaten by the "
                               "nulls the limits must keep out): nothing to recommend")
-    nulls = len(fit_rows) - positives
     report: dict[str, Any] = {
         "rule": router.rule,
         "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
-        "rows": {"fit": len(fit_rows), "held_out": len(held_rows), "fit_nulls": nulls},
+        "rows": counts,
         "recommended": point.as_dict() if point else None,
         "abstain_corpus": fitted.corpus,
         "curve": [c.as_dict() for c in fitted.curve],
@@ -278,7 +281,7 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
 
 
 NO_NULLS = ("no null row in the fit part: the null_fpr limit was never checked, so the gates may fire on "
-            "messages that should activate nothing; add rows that expect nothing (\"expect\": [])")
+            "messages that should activate nothing; add rows that expect nothing (\"expect\": null)")
 
 
 def _warnings(report: dict[str, Any], nulls: int, max_null_fpr: float, max_wrong: float) -> list[str]:

@@ -22,13 +22,17 @@ import uvicorn
 from capd.api import create_app
 from capd.atomic import flocked
 from capd.client import bare_host, base_url
-from capd.errors import CapdError
+from capd.errors import CapdError, ConfigError
 from capd.settings import Settings, check_data_dir
 
 log = logging.getLogger(__name__)
 
 
-class BindError(CapdError):
+class StartError(CapdError):
+    """The daemon cannot start (``capd serve`` exits 3, as DESIGN says of a failed start)."""
+
+
+class BindError(StartError):
     """The daemon could not listen where it was told to."""
 
 
@@ -180,7 +184,10 @@ def serve(settings: Settings) -> None:
     # messages word for word (a prompt holding a password), and the default umask made them 0644.
     os.umask(0o077)
     configure_logging(settings.log_level)
-    check_data_dir(settings.data_dir)  # before listening: a refused directory is a start that fails at once
+    try:
+        check_data_dir(settings.data_dir)  # before listening: a refused directory is a start that fails at once
+    except ConfigError as exc:
+        raise StartError(str(exc)) from None
     sock, lock = bind(settings)
     # The port actually bound: with --port 0 the system chooses one.
     where = str(settings.uds) if settings.uds is not None else base_url(settings.host, sock.getsockname()[1])

@@ -110,13 +110,14 @@ def test_undecodable_bytes_in_arguments_are_a_usage_error(serve: Serve, tmp_path
 
 # -- item 3: capd status on a daemon that failed to start ----------------------------------------------------
 
-def test_status_exits_1_with_the_startup_error_and_0_while_loading(serve: Serve, tmp_path: Path) -> None:
+def test_status_exits_3_with_the_startup_error_and_0_while_loading(serve: Serve, tmp_path: Path) -> None:
+    """DESIGN: exit 3 for a daemon unreachable or failed to start (it exited 1)."""
     failed = serve(model=str(tmp_path / "no-such-model"))
     result = _capd("status", port=failed)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 3, result.output
     assert result.stdout.startswith("error  ready=False")
     assert "capd: the daemon failed to start: model directory" in result.stderr
-    assert _capd("status", "--json", port=failed).exit_code == 1
+    assert _capd("status", "--json", port=failed).exit_code == 3
     assert _capd("status", port=serve()).exit_code == 0
     gate = threading.Event()
     try:

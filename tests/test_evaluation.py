@@ -439,6 +439,7 @@ def test_calibration_keeps_the_abstain_corpus_only_when_it_fires_right_more_ofte
             variants = score_variants(router, fixtures, vectors, tokens)
             fitted = fit_gates(variants, np.arange(len(fixtures)), COSINE_GRID)
             assert fitted.point is not None and fitted.corpus["without"] is not None
+            assert {c.abstain_corpus for c in fitted.curve} == {fitted.point.abstain_corpus}  # the curve it won on
             chosen[label] = (fitted.point.abstain_corpus, fitted.corpus)
     on, tried = chosen["a null outscoring a positive"]
     assert on and tried["with"] == 1.0 and tried["without"] < 1.0
@@ -715,7 +716,25 @@ def test_calibrate_write_refuses_gates_no_null_row_checked(tmp_path: Path) -> No
     assert not (tap / "capd.toml").exists()
     shown = CliRunner().invoke(main, [*args, "--json"])
     assert shown.exit_code == 0 and json.loads(shown.stdout)["rows"]["fit_nulls"] == 0
-    assert any("null_fpr limit was never checked" in w for w in json.loads(shown.stdout)["warnings"])
+    (warning,) = json.loads(shown.stdout)["warnings"]
+    assert "null_fpr limit was never checked" in warning
+    assert '"expect": null' in warning  # the advice was "expect": [], which the fixture reader refuses
+    refused = CliRunner().invoke(main, [*args, "--write", "--json"])  # it printed nothing on stdout
+    assert refused.exit_code == 1 and "nothing written" in refused.stderr
+    assert json.loads(refused.stdout)["written"] == [] and json.loads(refused.stdout)["recommended"] is not None
+
+
+def test_calibrate_json_has_its_keys_without_a_fit_positive(tmp_path: Path) -> None:
+    """With no positive row to fit on, `warnings` and `rows.fit_nulls` were missing."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    nulls = tap / "fixtures" / "nulls.jsonl"
+    nulls.write_text("".join(line for line in (tap / "fixtures" / "routing.jsonl").read_text().splitlines(True)
+                             if '"expect": null' in line))
+    result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures", str(nulls), "--json",
+                                       *_hash(tmp_path)])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1 and report["recommended"] is None and "no positive row" in report["error"]
+    assert report["warnings"] == [] and report["rows"]["fit_nulls"] == report["rows"]["fit"] > 0
 
 
 def test_calibrate_write_of_several_taps_writes_none_when_one_cannot_be_edited(tmp_path: Path) -> None:

@@ -282,7 +282,7 @@ def test_a_data_directory_others_can_write_or_own_is_refused(tmp_path: Path) -> 
 
 
 def test_a_daemon_on_a_refused_data_directory_fails_at_once(tmp_path: Path) -> None:
-    """`capd serve` says why and exits 1 before it listens, rather than answer 'failed to start'."""
+    """`capd serve` says why and exits 3 (a failed start) before it listens."""
     from click.testing import CliRunner
 
     from capd.cli import main
@@ -291,6 +291,6 @@ def test_a_daemon_on_a_refused_data_directory_fails_at_once(tmp_path: Path) -> N
     data.mkdir()
     data.chmod(0o777)
     result = CliRunner().invoke(main, ["serve", "--tap", str(tmp_path), "--data-dir", str(data), "--port", "0"])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 3, result.output
     assert "can be written by every user" in result.output
     assert oct(data.stat().st_mode & 0o777) == "0o777"  # nothing changed on the user's directory

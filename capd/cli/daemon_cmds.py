@@ -65,14 +65,14 @@ def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
 
     Example: capd serve --tap taps/core
     """
-    from capd.daemon import BindError
+    from capd.daemon import StartError
     from capd.daemon import serve as run
 
     settings = build_settings(config, taps=taps, host=host, port=port, uds=uds, data_dir=data_dir, model=model,
                               backend=backend, rule=rule, log_level=log_level, watch=watch)
     try:
         run(settings)
-    except BindError as exc:
+    except StartError as exc:  # cannot listen, or a data directory it must not use
         raise Failed(str(exc), EXIT_UNREACHABLE) from None
 
 
@@ -80,7 +80,7 @@ def serve(taps: tuple[Path, ...], config: Path | None, host: str | None, port: i
 @daemon_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(config: Path | None, host: str | None, port: int | None, uds: Path | None, as_json: bool) -> None:
-    """Is the daemon up and ready? Exit 1 if it failed to start, 3 if it does not answer.
+    """Is the daemon up and ready? Exit 3 if it failed to start or does not answer.
 
     Example: capd status --json
     """
@@ -100,8 +100,8 @@ def status(config: Path | None, host: str | None, port: int | None, uds: Path | 
             line = f": line {error['line']}" if error["line"] is not None else ""
             stderr(f"  {error['file']}{line}: {error['reason']}")
     # "starting" (still loading) is not a failure; "error" is a daemon that answers but will never route.
-    if health["status"] == "error":
-        raise Failed(f"the daemon failed to start: {health.get('startup_error') or 'see its log'}")
+    if health["status"] == "error":  # DESIGN: exit 3 for a daemon unreachable or failed to start
+        raise Failed(f"the daemon failed to start: {health.get('startup_error') or 'see its log'}", EXIT_UNREACHABLE)
 
 
 @click.command("list")

@@ -303,12 +303,13 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     check_names(fixtures, service.catalog_now().capabilities, _broken(service))
     report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.fit_auto_gates())
     point = report["recommended"]
-    if write and point is not None:
-        if NO_NULLS in report["warnings"]:
-            raise Failed(f"nothing written: {NO_NULLS}")
+    refused = write and point is not None and NO_NULLS in report["warnings"]
+    if write and point is not None and not refused:
         # every edit made and checked before any file is written
         edits = [gates_edit(Path(t), point, service.gate_model, settings.rule) for t in settings.taps]
         report["written"] = [str(edit.write()) for edit in edits]
+    if write:
+        report.setdefault("written", [])
     if not as_json:
         for warning in report.get("warnings", []):
             click.echo(f"warning: {warning}", err=True)
@@ -347,5 +348,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
                            f"null_fpr {_fmt(m['null_fpr'])}")
             for path in report.get("written", []):
                 click.echo(f"wrote {path}")
+    if refused:  # after the report, so that --json still prints it
+        raise Failed(f"nothing written: {NO_NULLS}")
     if point is None:
         raise SystemExit(EXIT_ERROR)
