@@ -7,6 +7,7 @@ before anyone can connect. uvicorn handles SIGINT / SIGTERM with a graceful shut
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from capd.api import create_app
 from capd.atomic import flocked
@@ -52,6 +54,12 @@ KEEP_ALIVE_S = 75
 # 1,000-capability tap on the fused rule); what still runs after this is cancelled (uvicorn answers
 # it 500), and the shutdown (storing sessions and corrections) goes on.
 SHUTDOWN_GRACE_S = 10
+# How long a connection may take to send a request's head (line and headers): from when it opens, and
+# from a request's first byte. uvicorn arms its keep-alive timer only after a response, so a client that
+# connected and sent nothing, or half a request line, held its file descriptor for as long as it liked:
+# 400 such connections took a daemon from 32 to 432 descriptors for good, and with the descriptor limit
+# reached, agents' new connections were reset with nothing logged.
+HEADERS_S = 10
 QUIET_AT_DEBUG = ("watchdog", "httpx", "httpcore", "urllib3", "filelock", "asyncio")
 
 
@@ -201,7 +209,7 @@ def serve(settings: Settings) -> None:
     # loop "auto": uvloop (a dependency) where it imports, else asyncio; uvloop took ~0.15 ms (about a tenth)
     # off the daemon's own cost per route (`bench_daemon --overhead`, interleaved with asyncio).
     # log_config=None: uvicorn's lines go through capd's format, with the time (its own has none).
-    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, lifespan="on", http="httptools",
+    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, lifespan="on", http=_Protocol,
                             loop="auto", log_config=None, timeout_keep_alive=KEEP_ALIVE_S,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     uds = Path(settings.uds) if settings.uds is not None else None
@@ -211,6 +219,43 @@ def serve(settings: Settings) -> None:
     finally:
         server.remove_socket()
         sock.close()
+
+
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on each request's head (:data:`HEADERS_S`)."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._await_head()
+
+    def on_headers_complete(self) -> None:
+        self._stop_waiting()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        self._stop_waiting()
+        self._head_timer = self.loop.call_later(HEADERS_S, self._head_late)
+
+    def _stop_waiting(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            log.debug("closing a connection that sent no complete request head within %s s", HEADERS_S)
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):

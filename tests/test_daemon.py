@@ -472,6 +472,40 @@ def test_a_client_stalled_mid_request_does_not_keep_the_daemon_from_stopping(tmp
     assert proc.stderr is not None and b"Application shutdown complete" in proc.stderr.read()
 
 
+def test_a_connection_that_sends_no_request_head_in_time_is_closed(tmp_path: Path) -> None:
+    """uvicorn times a connection out only after a response: one that sent nothing, or half a
+    request line, held its descriptor for good (400 of them took a daemon from 32 to 432). Each
+    request's head now has ``HEADERS_S`` (shortened here); an idle keep-alive connection stays."""
+    port = _free_port()
+    shorten = ("import sys; from capd import daemon; daemon.HEADERS_S = 0.5; "
+               "from capd.cli import main; main(prog_name='capd')")
+    proc = subprocess.Popen([sys.executable, "-c", shorten, "serve", *_hash_args(tmp_path), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = CapdClient(f"http://127.0.0.1:{port}")
+    try:
+        _wait_ready(client, proc)
+        silent = socket.create_connection(("127.0.0.1", port))
+        partial = socket.create_connection(("127.0.0.1", port))
+        partial.sendall(b"GET /v1/hea")
+        served = socket.create_connection(("127.0.0.1", port))
+        served.sendall(b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        for conn in (silent, partial, served):
+            conn.settimeout(5)
+        assert served.recv(65536).startswith(b"HTTP/1.1 200")
+        assert silent.recv(1) == b"" and partial.recv(1) == b""  # closed by the daemon, within seconds
+        served.settimeout(1.5)
+        with pytest.raises(TimeoutError):  # kept alive between requests, as before (KEEP_ALIVE_S)
+            served.recv(1)
+        served.sendall(b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert served.recv(65536).startswith(b"HTTP/1.1 200")
+        for conn in (silent, partial, served):
+            conn.close()
+        assert client.health()["ready"]
+    finally:
+        client.close()
+        _stop(proc)
+
+
 def _sigint_stop(tmp_path: Path, presses: int) -> tuple[int, str]:
     """Start a daemon, stall one request when ``presses`` > 1 (so that the second Ctrl-C finds the
     stop still waiting for it), press Ctrl-C ``presses`` times: its exit status and what it said."""
