@@ -165,7 +165,7 @@ class Service:
             self.encoder = MicroBatcher(base)
             self._check_open()
             self._cache = self._open_cache()
-            self.embedder = CachedEmbedder(self.encoder, self._cache)
+            self.embedder = CachedEmbedder(self.encoder, self._cache, stopping=self.fits.stopping)
             self.index = TriggerIndex(self.encoder.dim)
             if self._want_sessions:
                 store = self._open_sessions()
@@ -399,7 +399,7 @@ class Service:
         before = (self.encoder, self.embedder, self.index, self._encoder_key)
         self.encoder = MicroBatcher(tuned)
         self._holds.append((self.encoder, hold))
-        self.embedder = CachedEmbedder(self.encoder, self._cache)
+        self.embedder = CachedEmbedder(self.encoder, self._cache, stopping=self.fits.stopping)
         self.index = TriggerIndex(self.encoder.dim)
         self._encoder_key = key
 

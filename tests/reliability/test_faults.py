@@ -285,8 +285,9 @@ def _filled(data: Path) -> Iterator[None]:
 @contextmanager
 def _tmpfs(path: Path, size: str) -> Iterator[None]:
     path.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                          check=False)
+    # mode 0700: a tmpfs root is 1777, which capd refuses as a data directory every user may write to
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                          capture_output=True, check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill up: {done.stderr.decode().strip()}")
     try:
