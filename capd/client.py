@@ -161,6 +161,11 @@ class CapdClient:
     def session(self, session: str) -> dict[str, Any]:
         return self._call("GET", _session_path(session), session=session, expect=("active",))
 
+    def resume_plan(self, session: str) -> dict[str, Any]:
+        """``GET /v1/sessions/{id}/plan``: every server the session's active capabilities run, to
+        start from nothing (after a route or enable whose answer was lost to a transport error)."""
+        return self._call("GET", _session_path(session, "plan"), session=session, expect=PLAN_KEYS)
+
     def drop(self, session: str) -> dict[str, Any]:
         return self._call("DELETE", _session_path(session), session=session, expect=("dropped",))
 

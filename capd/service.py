@@ -107,6 +107,11 @@ def cached_texts(catalog: Catalog, rule: str, store: LearnedStore | None) -> set
     return texts
 
 
+class ClientGone(Exception):
+    """The client of a route disconnected before its session changed: the route is dropped, the
+    session left as it was (a plan committed but never received is a server the agent never started)."""
+
+
 class Service:
     def __init__(self, settings: Settings, encoder: Encoder | None = None, sessions: bool = False,
                  clock: Callable[[], float] = time.time, learn: bool | None = None) -> None:
@@ -590,9 +595,12 @@ class Service:
         vector, tokens = snapshot.router.embed(text)
         return self._routed(self._decide(snapshot, text, vector, session, tokens), session, started)
 
-    async def aroute(self, message: str, session: str | None = None) -> RouteResult:
+    async def aroute(self, message: str, session: str | None = None,
+                     gone: threading.Event | None = None) -> RouteResult:
         """:meth:`route` for the event loop (``POST /v1/route``): the same result, metrics and
-        session semantics, but it awaits the micro-batcher instead of holding a thread meanwhile."""
+        session semantics, but it awaits the micro-batcher instead of holding a thread meanwhile.
+        ``gone`` is set when the caller stopped waiting (the client disconnected): the session is
+        then left as it was (:class:`ClientGone`), since the plan could never reach the agent."""
         started = time.perf_counter()
         prepared = self._prepare(message)
         if isinstance(prepared, RouteResult):
@@ -608,9 +616,9 @@ class Service:
             # (a disk write, which waits when another process holds the file), and scoring a large
             # index takes milliseconds of numpy (GIL released), which in a thread overlaps other
             # requests' encoding.
-            result = await asyncio.to_thread(self._decide, snapshot, text, vector, session, tokens)
+            result = await asyncio.to_thread(self._decide, snapshot, text, vector, session, tokens, gone)
         else:
-            result = self._decide(snapshot, text, vector, session, tokens)
+            result = self._decide(snapshot, text, vector, session, tokens, gone)
         return self._routed(result, session, started)
 
     def _prepare(self, message: str) -> tuple[Snapshot, str | None] | RouteResult:
@@ -631,11 +639,13 @@ class Service:
                            self._session_plan(session))
 
     def _decide(self, snapshot: Snapshot, text: str, vector: Vectors, session: str | None,
-                tokens: TokenVectors | None = None) -> RouteResult:
+                tokens: TokenVectors | None = None, gone: threading.Event | None = None) -> RouteResult:
         router = snapshot.router
         if session is None or self.registry is None:
             return RouteResult(router.decide(vector, (), text, tokens))
         with self.registry.locked(session):
+            if gone is not None and gone.is_set():  # last moment before the session changes
+                raise ClientGone(session)
             # pinned capabilities are active in every session, a new one too (its first plan starts them)
             pinned = tuple(name for name in self.registry.pinned if name in snapshot.catalog)
             decision = router.decide(vector, (*self.registry.active_names(session), *pinned), text, tokens)

@@ -406,6 +406,17 @@ class SessionRegistry:
         record = self._require(session)
         return SessionState(record.session, record.last_seen, _ordered(record.active))
 
+    def resume(self, session: str) -> Plan:
+        """The plan that brings an agent running nothing to the session as capd holds it: every
+        server of every active capability to start, with its spec and tool grant (as the plans that
+        activated them said), nothing to tear down. For an agent that lost a plan: a route whose
+        answer never arrived (a timeout, a dropped connection) is committed all the same, and the
+        next route says ``already_active`` with nothing to start. A read: it changes nothing.
+        UnknownSession if absent."""
+        state = self.get(session)
+        start = tuple(StartItem(a.name, s.spec, s.tools) for a in state.active for s in a.servers)
+        return Plan(start, (), state.names)
+
     def active_names(self, session: str) -> tuple[str, ...]:
         """Active capability names in stable order. A session not started yet (or ended) has the
         pinned ones the catalog provides: they are active in every session from its start, so a

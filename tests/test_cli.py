@@ -264,6 +264,10 @@ def test_unknown_names_are_said_once_by_the_client_and_the_cli(serve: Serve) -> 
         with pytest.raises(UnknownCapability) as capability:
             client.enable("s1", "nosuchcap")
         assert str(capability.value) == "unknown capability 'nosuchcap'" and capability.value.name == "nosuchcap"
+        with pytest.raises(UnknownSession):
+            client.resume_plan("my-agent-1")
+        started = client.enable("s2", "database-postgres")
+        assert client.resume_plan("s2") == {**started, "teardown": []} and started["start"]
     result = _capd("enable", "s1", "nosuchcap", port=port)
     assert result.exit_code == 1 and result.stderr == "capd: unknown capability 'nosuchcap'\n"
 

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import socket
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
+import uvicorn
 
 from capd import service as service_module
+from capd.api import create_app
+from capd.encoder import HashEncoder
 from capd.service import Service
+from capd.settings import Settings
 from tests.conftest import SettingsFactory
 from tests.taputil import octomind_tap
 
@@ -139,3 +149,63 @@ def test_a_capability_removed_while_its_message_is_routed_is_an_abstain(
         assert result.plan is not None and result.plan.as_dict()["active"] == []
     finally:
         service.close()
+
+
+class _HeldEncoder(HashEncoder):
+    """The deterministic fake; while ``hold`` is set, an embed says so (``reached``) and waits for ``release``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold, self.reached, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        if self.hold.is_set():
+            self.reached.set()
+            self.release.wait(30)
+        return super().embed(texts)
+
+
+def test_a_route_whose_client_left_changes_no_session_and_a_lost_plan_can_be_fetched_again(tmp_path: Path) -> None:
+    """A route whose client gave up (a timeout, a dropped connection) was committed all the same: the
+    agent never got the plan, the next route said already_active with nothing to start, and capd
+    counted a server as running that the agent never started. The session is now left as it was;
+    and GET /v1/sessions/{id}/plan gives back what to start for the session as capd holds it."""
+    port, encoder = _free_port(), _HeldEncoder()
+    settings = Settings(taps=(octomind_tap(tmp_path / "tap"),), model="hash", data_dir=tmp_path / "data")
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, encoder=encoder, watch=False), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    body = json.dumps({"session": "s1", "message": "please run a query on the postgres database"}).encode()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            deadline = time.monotonic() + 30
+            while not server.started or not http.get("/v1/health").json()["ready"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            encoder.hold.set()
+            with socket.create_connection(("127.0.0.1", port)) as gone:
+                gone.sendall(b"POST /v1/route HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                assert encoder.reached.wait(30)
+            time.sleep(0.5)  # the server sees the connection closed
+            encoder.hold.clear()
+            encoder.release.set()
+            time.sleep(0.5)  # where the old code went on to commit the route
+            assert http.get("/v1/sessions/s1").status_code == 404  # never started
+            routed = http.post("/v1/route", json=json.loads(body))
+            assert routed.json()["decision"] == "activate" and routed.json()["plan"]["start"]
+            resumed = http.get("/v1/sessions/s1/plan").json()
+            assert resumed == {**routed.json()["plan"], "teardown": []}  # all there is to start, nothing to stop
+            assert http.get("/v1/sessions/nobody/plan").status_code == 404
+    finally:
+        encoder.release.set()
+        server.should_exit = True
+        thread.join(30)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
