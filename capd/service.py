@@ -47,8 +47,8 @@ from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings, check_data_dir
 from capd.state import SessionStore, sessions_owner
 from capd.text import clean_message, printable
-from capd.tuned_models import InUse, is_tuned, prune, set_aside, tuned_dir
-from capd.tuner import Tuner, Tuning
+from capd.tuned_models import InUse, is_tuned, prune, remember, remembered, set_aside, tuned_dir
+from capd.tuner import Tuner, Tuning, lineage_for
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 log = logging.getLogger(__name__)
@@ -361,14 +361,22 @@ class Service:
         return self.tuner.state
 
     def _publish_adopting(self, catalog: Catalog) -> SyncReport:
-        """The first publish: with the tuned model for ``catalog`` if it is cached. One that does
-        not load, or that routing cannot use (it gives non-finite vectors), is set aside and the
-        untuned model published, so that start() tunes it again: a cached model that failed here
-        used to fail every later start as well."""
+        """The first publish: with the tuned model for ``catalog`` if it is cached, else with the one
+        this data directory last routed with for these taps and base model (``stale``: the taps were
+        edited while capd was not running; start() tunes for them as they are). One that does not
+        load, or that routing cannot use (it gives non-finite vectors), is set aside and the untuned
+        model published, so that start() tunes it again: a cached model that failed here used to fail
+        every later start as well."""
         key = self.tuner.target(catalog).key
         path = tuned_dir(self.settings.data_dir, key)
         if not is_tuned(path):
-            return self._publish(catalog)
+            # the taps were edited since the last run: route with the tuned model it last used (``stale``)
+            # while the tuning for the taps as they are runs, as after a live edit; else untuned
+            last = remembered(self.settings.data_dir, lineage_for(self.settings))
+            if last is None:
+                return self._publish(catalog)
+            self.tuning.wanted = key
+            key, path = last, tuned_dir(self.settings.data_dir, last)
         previous = self.encoder
         undo = self._switch_encoder(path, key)
         if undo is None:
@@ -461,6 +469,7 @@ class Service:
         """The switch to ``key`` is published: health and the tuner see it from here on."""
         self.tuning.switched(key, path)
         log.info("routing with the tuned model %s", path)
+        remember(self.settings.data_dir, lineage_for(self.settings), key)
         prune(self.settings.data_dir, key)
         self._retire(previous)
 

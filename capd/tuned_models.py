@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from capd.atomic import flocked, process_alive
+from capd.atomic import flocked, process_alive, write_text
 from capd.errors import CapdError
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,30 @@ def set_aside(directory: Path, why: str) -> Path | None:
         return None
     log.warning("tuned model %s is unusable (%s); moved it to %s and tuning again", directory, why, aside)
     return aside
+
+
+def _lineage_file(data_dir: Path, lineage: str) -> Path:
+    return data_dir / "tuned" / f".lineage-{lineage}"
+
+
+def remember(data_dir: Path, lineage: str, key: str) -> None:
+    """Record ``key`` as the tuned model a process last routed with for ``lineage`` (a base model
+    and a list of taps: :func:`capd.tuner.lineage_for`), for :func:`remembered`. Best effort."""
+    try:
+        write_text(_lineage_file(data_dir, lineage), key + "\n")
+    except OSError as exc:
+        log.warning("cannot record the tuned model in use (%s): a restart after a tap edit will route "
+                    "untuned until the tuning is done", exc)
+
+
+def remembered(data_dir: Path, lineage: str) -> str | None:
+    """The tuned model last routed with for ``lineage``, if it is still a complete one."""
+    try:
+        key = _lineage_file(data_dir, lineage).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return key if key and "/" not in key and not key.startswith(".") and is_tuned(tuned_dir(data_dir, key)) \
+        else None
 
 
 def sweep(root: Path) -> list[Path]:

@@ -14,6 +14,8 @@ export and a re-embed for a model nobody wants); the run for the new catalog fol
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import subprocess
 import threading
@@ -82,6 +84,15 @@ def target_for(settings: Settings, catalog: Catalog, recipe: Recipe = RECIPE, st
     groups = groups_for(catalog)
     base = resolve(manifest_for(settings), settings.data_dir if stamp else None)
     return Target(tuning_key(base.weights_sha256, groups, recipe), groups, base.directory)
+
+
+def lineage_for(settings: Settings) -> str:
+    """What tuned models of one base model for one list of taps share, whatever the taps hold: a
+    restart after a tap edit adopts the one last used (:func:`capd.tuned_models.remembered`) while
+    the tuning for the taps as they are runs, as a daemon does after a live edit."""
+    base = resolve(manifest_for(settings), settings.data_dir)
+    taps = [str(Path(tap).resolve()) for tap in settings.taps]
+    return hashlib.sha256(json.dumps([base.weights_sha256, taps]).encode()).hexdigest()[:24]
 
 
 def tuned_model(settings: Settings, catalog: Catalog, recipe: Recipe = RECIPE) -> Path:

@@ -5,6 +5,7 @@ published under the key (the real training is tests/test_tuning.py's); loading i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -107,6 +108,42 @@ def test_health_says_untuned_while_starting_and_stale_after_an_edit(tuned_settin
         service.reload()
         state = service.health()["tuning"]
         assert state["status"] == "stale" and state["key"] == first and state["wanted"] not in (None, first)
+    finally:
+        service.close()
+
+
+def test_a_restart_after_a_tap_edit_routes_with_the_last_tuned_model_while_it_retunes(
+        tuned_settings: Settings, real_encoder: Encoder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart after a tap edit routed untuned until the tuning for the taps as they are was done
+    (minutes), where a daemon edited live keeps its previous tuned model meanwhile. It now adopts the
+    one it last used for these taps (stale), and only for these taps."""
+    trained: list[str] = []
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained))
+    with contextlib.closing(Service(tuned_settings, sessions=True).start()) as service:
+        wait_idle(service)
+        first = service.tuning.key
+        assert service.tuning.status == "ready" and first is not None
+    write_capability(tuned_settings.taps[0], "docker", [*TRIGGERS["docker"], "remove dangling images"])
+    gate = threading.Event()
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained, gate))
+    service = Service(tuned_settings, sessions=True).start()
+    try:
+        state = service.health()["tuning"]
+        assert state["key"] == first and state["wanted"] not in (None, first), state
+        assert state["status"] in ("tuning", "stale") and service.health()["model"] != real_encoder.model_id
+        assert service.route("list running containers").decision.capability == "docker"
+        gate.set()
+        wait_idle(service)
+        assert service.tuning.status == "ready" and service.tuning.key == state["wanted"] == trained[-1]
+    finally:
+        gate.set()
+        service.close()
+    other = replace(tuned_settings, taps=(write_tap(tmp_path / "other"),))  # the same data directory
+    write_capability(other.taps[0], "calendar", [*TRIGGERS["calendar"], "book a room for friday"])  # its own key
+    monkeypatch.setattr(tuner_module, "run_child", fake_tuning(trained, threading.Event()))  # never done
+    service = Service(other, sessions=True).start()
+    try:
+        assert service.tuning.key is None and service.health()["model"] == real_encoder.model_id
     finally:
         service.close()
 
