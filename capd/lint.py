@@ -184,35 +184,37 @@ def lint_fixtures(catalog: Catalog, min_chars: int = MIN_TRIGGER_CHARS) -> list[
     broken = {p.capability for p in catalog.errors if p.capability is not None}
     problems: list[Problem] = []
     for tap in catalog.taps:
+        first: dict[str, Fixture] = {}  # across the tap's files: `capd test` runs them together
         for path in tap_fixture_files(tap):
             rows, errors = read_fixture_file(path)
             errors.extend(name_errors(rows, catalog.capabilities, broken))
             problems.extend(Problem("error", str(e.path), e.reason, e.line, code="fixture-invalid") for e in errors)
-            problems.extend(_doubtful_rows(catalog, rows, min_chars))
+            problems.extend(_doubtful_rows(catalog, rows, min_chars, first))
     return problems
 
 
-def _doubtful_rows(catalog: Catalog, rows: list[Fixture], min_chars: int) -> Iterable[Problem]:
-    first: dict[str, Fixture] = {}
+def _doubtful_rows(catalog: Catalog, rows: list[Fixture], min_chars: int,
+                   first: dict[str, Fixture]) -> Iterable[Problem]:
     for row in rows:
         file, _, line = row.source.rpartition(":")
         text, long_enough = clean_message(row.message, min_chars)
-        key = recall_key(text)
+        key = recall_key(row.message)  # as written: one text with and without tags tests tag removal
         earlier = first.setdefault(key, row)
         if earlier is not row:
+            where, _, at = earlier.source.rpartition(":")
+            seen = f"line {at}" if where == file else f"{Path(where).name} line {at}"
             if set(earlier.expect) == set(row.expect):
-                yield Problem("warning", file, f"the same message as line {earlier.source.rpartition(':')[2]}, "
-                              "with the same answer: it is counted twice", int(line), code="fixture-duplicate")
+                yield Problem("warning", file, f"the same message as {seen}, with the same answer: it is counted "
+                              "twice", int(line), code="fixture-duplicate")
             else:
-                yield Problem("warning", file, f"the same message as line {earlier.source.rpartition(':')[2]}, "
-                              "with another answer: one of the two rows always fails", int(line),
-                              code="fixture-conflict")
+                yield Problem("warning", file, f"the same message as {seen}, with another answer: one of the two "
+                              "rows always fails", int(line), code="fixture-conflict")
         if row.positive and not long_enough:
             yield Problem("warning", file, f"a positive shorter than {min_chars} characters after removing tags: "
                           "the router skips it, so it always fails", int(line), code="fixture-short")
         for name in row.expect:
             capability = catalog.get(name)
-            if capability is not None and key in {recall_key(t) for t in capability.triggers}:
+            if capability is not None and recall_key(text) in {recall_key(t) for t in capability.triggers}:
                 yield Problem("warning", file, f"the message is a trigger of {name!r}: it measures memory, "
                               "not routing (use a paraphrase)", int(line), name, "fixture-is-trigger")
 

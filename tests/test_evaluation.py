@@ -771,8 +771,17 @@ def test_capd_test_fails_a_tap_with_a_capability_that_does_not_load(tmp_path: Pa
     rows = tap / "fixtures" / "routing.jsonl"
     weather = {"message": "what is the weather today", "expect": "smalltalk"}
     rows.write_text(rows.read_text() + json.dumps(weather) + "\n")
-    result = CliRunner().invoke(main, ["test", str(tap), *_hash(tmp_path)])
-    assert result.exit_code == 1 and "expects 'smalltalk', which failed to load" in result.stderr, result.output
+    # A row expecting it stopped the run with no report and no JUnit file (every capability of
+    # taps/core has rows): it is now a row nothing can fire right, and the tap fails tap_errors.
+    junit = tmp_path / "routing.xml"
+    result = CliRunner().invoke(main, ["test", str(tap), "--json", "--junit", str(junit), *_hash(tmp_path)])
+    assert result.exit_code == 1, result.output
+    (report,) = json.loads(result.stdout)["taps"]
+    assert {"name": "tap_errors", "value": 1, "bound": 0, "relation": "<=", "passed": False} in report["checks"]
+    assert [r for r in report["failing_rows"] if r["expect"] == ["smalltalk"]]
+    assert "tap_errors" in junit.read_text()
+    eval_ = CliRunner().invoke(main, ["eval", "--tap", str(tap), "--fixtures", str(rows), *_hash(tmp_path)])
+    assert eval_.exit_code == 1 and "expects 'smalltalk', which failed to load" in eval_.stderr, eval_.output
 
 
 def test_each_failing_check_lists_the_rows_that_count_against_it() -> None:

@@ -198,6 +198,19 @@ def test_fixture_files_are_linted_line_by_line(tmp_path: Path) -> None:
     assert str(by_line[2]["file"]).endswith("fixtures/routing.jsonl")  # type: ignore[index]
 
 
+def test_a_message_repeated_in_another_fixture_file_of_the_tap_is_found(tmp_path: Path) -> None:
+    """`capd test` runs a tap's fixture files together: a conflict between two of them passed lint."""
+    tap = octomind_tap(tmp_path)
+    (tap / "fixtures").mkdir()
+    message = "show me the columns of the users table"
+    (tap / "fixtures" / "a.jsonl").write_text(json.dumps({"message": message, "expect": "database-postgres"}) + "\n")
+    (tap / "fixtures" / "b.jsonl").write_text("\n" + json.dumps({"message": message, "expect": None}) + "\n")
+    _, report = _lint(str(tap))
+    (found,) = [p for p in report["problems"] if p["code"] == "fixture-conflict"]  # type: ignore[union-attr,index]
+    assert str(found["file"]).endswith("b.jsonl") and found["line"] == 2  # type: ignore[index]
+    assert "the same message as a.jsonl line 1" in found["reason"]  # type: ignore[index,operator]
+
+
 def test_a_fixture_expecting_a_capability_that_failed_to_load_says_so(tmp_path: Path) -> None:
     tap = octomind_tap(tmp_path)
     folder = write_capability(tap, "broken", None)
