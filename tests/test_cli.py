@@ -647,8 +647,8 @@ def test_something_that_is_not_capd_is_said_in_one_line(foreign_port: int, args:
 
 def test_help_says_when_exit_code_3_happens() -> None:
     result = CliRunner().invoke(main, ["--help"])
-    assert "3 daemon unreachable, or `capd serve` could not start (address in use, cannot bind)" in \
-        " ".join(result.output.split())
+    assert ("3 daemon unreachable or failed to start (`capd status`), or `capd serve` could not start (address "
+            "in use, cannot bind, a data directory it must not use)") in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("args", [["list", "--tap", ""], ["index", "--data-dir", ""], ["status", "--uds", " "],
