@@ -25,7 +25,7 @@ from capd.api import create_app
 from capd.atomic import flocked
 from capd.client import bare_host, base_url
 from capd.errors import CapdError, ConfigError
-from capd.settings import Settings, check_data_dir
+from capd.settings import Settings, own_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def serve(settings: Settings) -> None:
     os.umask(0o077)
     configure_logging(settings.log_level)
     try:
-        check_data_dir(settings.data_dir)  # before listening: a refused directory is a start that fails at once
+        own_data_dir(settings.data_dir)  # before listening: a refused directory is a start that fails at once
     except ConfigError as exc:
         raise StartError(str(exc)) from None
     sock, lock = bind(settings)

@@ -31,7 +31,7 @@ from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Vectors, open_encoder
 from capd.lint import _normal, _trigger_line
 from capd.models import manifest_for
-from capd.settings import Settings
+from capd.settings import Settings, own_data_dir
 from capd.vectorcache import CachedEmbedder, VectorCache
 
 BLOCK = 2048  # rows per block of the pairwise product (bounds memory at BLOCK x n floats)
@@ -45,6 +45,7 @@ def near_duplicates(catalog: Catalog, settings: Settings) -> list[Problem]:
     manifest = manifest_for(settings)
     bound = manifest.near_duplicate
     model = f"{manifest.name}, untuned" if settings.tune else manifest.name
+    own_data_dir(settings.data_dir)
     cache = VectorCache.open(settings.data_dir)
     try:
         embedder = CachedEmbedder(open_encoder(settings), cache)

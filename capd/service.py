@@ -44,7 +44,7 @@ from capd.router import (
     example_catalog,
 )
 from capd.sessions import Plan, SessionRegistry
-from capd.settings import Settings, check_data_dir
+from capd.settings import Settings, own_data_dir
 from capd.state import SessionStore, sessions_owner
 from capd.text import clean_message, printable
 from capd.tuned_models import InUse, is_tuned, prune, remember, remembered, set_aside, tuned_dir
@@ -165,7 +165,7 @@ class Service:
     def start(self) -> Service:
         """Load the model, the cache and the taps; build the index. Blocking; call once."""
         try:
-            check_data_dir(self.settings.data_dir)
+            own_data_dir(self.settings.data_dir)
             base = self._encoder_override or open_encoder(self.settings)
             self.encoder = MicroBatcher(base)
             self._check_open()

@@ -62,14 +62,15 @@ def default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("capd", appauthor=False))
 
 
-def check_data_dir(path: Path) -> None:
-    """Refuse a data directory another user could have filled: one owned by another user, or one
-    every user may write to. capd loads models from it (ONNX exports, tuned models) and keeps users'
-    messages in it, so a directory someone else controls would route with their model and read
-    what this user types. A directory that is not there yet is created (for this user only, under the
-    daemon's umask) by whatever first writes to it; one that cannot be looked at is left to the stores,
-    which fall back to memory."""
+def own_data_dir(path: Path) -> None:
+    """Create the data directory for this user only (0700) if it is missing, and refuse one another
+    user could have filled: one owned by another user, or one every user may write to. capd loads
+    models from it (ONNX exports, tuned models) and keeps users' messages in it, so a directory
+    someone else controls would route with their model and read what this user types. One made
+    earlier keeps its mode; one that cannot be created or looked at is left to the stores, which
+    fall back to memory."""
     try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = path.stat()
     except OSError:
         return

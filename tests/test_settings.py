@@ -11,7 +11,7 @@ import pytest
 
 import capd.settings as settings_module
 from capd.errors import ConfigError
-from capd.settings import ENV_VARS, OTHER_ENV_VARS, Settings, check_data_dir, load_settings
+from capd.settings import ENV_VARS, OTHER_ENV_VARS, Settings, load_settings, own_data_dir
 
 
 def test_defaults(tmp_path: Path) -> None:
@@ -264,13 +264,15 @@ def test_every_capd_variable_read_anywhere_is_known() -> None:
 
 def test_a_data_directory_others_can_write_or_own_is_refused(tmp_path: Path) -> None:
     """capd loads models from its data directory and keeps users' messages there."""
-    mine = tmp_path / "mine"
-    check_data_dir(mine)  # not there yet: whatever writes first creates it, for this user only
-    mine.mkdir(mode=0o755)
-    check_data_dir(mine)
+    mine = tmp_path / "deep" / "mine"
+    own_data_dir(mine)  # not there yet: created for this user only
+    assert oct(mine.stat().st_mode & 0o777) == "0o700"
+    mine.chmod(0o755)
+    own_data_dir(mine)  # made earlier: keeps its mode
+    assert oct(mine.stat().st_mode & 0o777) == "0o755"
     mine.chmod(0o777)
     with pytest.raises(ConfigError, match=r"can be written by every user.*chmod 700"):
-        check_data_dir(mine)
+        own_data_dir(mine)
     mine.chmod(0o700)
     if os.geteuid() != 0:
         return  # only root can give a directory away
@@ -278,7 +280,7 @@ def test_a_data_directory_others_can_write_or_own_is_refused(tmp_path: Path) -> 
     theirs.mkdir(mode=0o700)
     os.chown(theirs, 65534, 65534)
     with pytest.raises(ConfigError, match=r"belongs to another user \(uid 65534\)"):
-        check_data_dir(theirs)
+        own_data_dir(theirs)
 
 
 def test_a_daemon_on_a_refused_data_directory_fails_at_once(tmp_path: Path) -> None:

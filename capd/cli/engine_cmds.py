@@ -81,11 +81,13 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
     """
     from capd.encoder import open_encoder
     from capd.index import TriggerIndex
+    from capd.settings import own_data_dir
     from capd.taps import load_catalog
     from capd.vectorcache import CachedEmbedder, VectorCache, text_hash
 
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
     started = time.perf_counter()
+    own_data_dir(settings.data_dir)
     catalog = load_catalog(settings.taps)
     tuned = _tuned_model(settings, catalog)
     encoder = open_encoder(dataclasses.replace(settings, model=str(tuned)) if tuned else settings)
