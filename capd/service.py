@@ -372,7 +372,7 @@ class Service:
         if not is_tuned(path):
             # the taps were edited since the last run: route with the tuned model it last used (``stale``)
             # while the tuning for the taps as they are runs, as after a live edit; else untuned
-            last = remembered(self.settings.data_dir, lineage_for(self.settings))
+            last = remembered(self.settings.data_dir, self._lineage())
             if last is None:
                 return self._publish(catalog)
             self.tuning.wanted = key
@@ -394,6 +394,15 @@ class Service:
             return self._publish(catalog)
         self._switched(path, key, previous)
         return report
+
+    def _lineage(self) -> str:
+        """:func:`~capd.tuner.lineage_for` these settings ("" when the base model cannot be resolved:
+        nothing is remembered under it, so nothing is adopted)."""
+        try:
+            return lineage_for(self.settings)
+        except Exception as exc:  # a model the encoder loaded resolves; this is belt and braces
+            log.warning("cannot tell which tuned models belong to these taps: %s", exc)
+            return ""
 
     def _switch_encoder(self, path: Path, key: str) -> Callable[[], None] | None:
         """Point the encoder, embedder and index at the tuned model in ``path`` (under the lock;
@@ -469,7 +478,8 @@ class Service:
         """The switch to ``key`` is published: health and the tuner see it from here on."""
         self.tuning.switched(key, path)
         log.info("routing with the tuned model %s", path)
-        remember(self.settings.data_dir, lineage_for(self.settings), key)
+        if lineage := self._lineage():
+            remember(self.settings.data_dir, lineage, key)
         prune(self.settings.data_dir, key)
         self._retire(previous)
 

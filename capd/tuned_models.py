@@ -78,6 +78,8 @@ def remember(data_dir: Path, lineage: str, key: str) -> None:
 
 def remembered(data_dir: Path, lineage: str) -> str | None:
     """The tuned model last routed with for ``lineage``, if it is still a complete one."""
+    if not lineage:
+        return None
     try:
         key = _lineage_file(data_dir, lineage).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
