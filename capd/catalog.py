@@ -184,6 +184,7 @@ class Capability:
             "domains": list(self.domains),
             "triggers": len(self.triggers),
             "servers": [name for name, _ in self.server_tools],
+            "requires": list(self.provider.requires) if self.provider else [],
             "tap": str(self.tap),
         }
 

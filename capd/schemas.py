@@ -181,6 +181,7 @@ class CapabilityOut(_Out):
     domains: list[str]
     triggers: int
     servers: list[str]
+    requires: list[str]
     tap: str
     active: bool
 

@@ -85,6 +85,12 @@ def test_enable_disable_kill_flags_and_eviction(api: TestClient) -> None:
     state = api.get("/v1/sessions/s2").json()
     assert [a["name"] for a in state["active"]] == ["filesystem-write", "python-toolchain"]
     assert state["active"][1]["servers"] == []  # a toolchain capability has no servers
+    # ... so what it needs installed comes from the listing: its provider's [deps] require, and the tap
+    # (octomind runs <tap>/deps/<org>/<tool>.sh for each); plans carry servers only, as DESIGN says
+    listed = {c["name"]: c for c in api.get("/v1/capabilities").json()["capabilities"]}
+    assert listed["python-toolchain"]["requires"] == ["python3", "astral-sh/uv"]
+    assert listed["database-postgres"]["requires"] == ["modelcontextprotocol/postgres"]
+    assert listed["smalltalk"]["requires"] == []  # routing-only
 
 
 def test_failed_tool_result_does_not_touch(api: TestClient) -> None:
