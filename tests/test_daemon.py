@@ -443,15 +443,20 @@ def test_a_daemon_at_the_kernels_inotify_limit_scans_its_taps(tmp_path: Path, li
 
 # -- stopping: a stalled client, a failed start ----------------------------------------------------------
 
+def _start_with(tmp_path: Path, port: int, constant: str, value: float) -> subprocess.Popen[bytes]:
+    """``capd serve`` (hash model) with one of capd.daemon's timing constants shortened."""
+    shortened = (f"import sys; from capd import daemon; daemon.{constant} = {value!r}; "
+                 "from capd.cli import main; main(prog_name='capd')")
+    return subprocess.Popen([sys.executable, "-c", shortened, "serve", *_hash_args(tmp_path), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
 def test_a_client_stalled_mid_request_does_not_keep_the_daemon_from_stopping(tmp_path: Path) -> None:
     """uvicorn waits for every request under way before it stops, with no limit: one client that
     sent half a body (a suspended agent) kept a SIGTERM-ed daemon running for good, its sessions
     not stored. The wait is bounded (``SHUTDOWN_GRACE_S``, shortened here) and the shutdown completes."""
     port = _free_port()
-    shorten = ("import sys; from capd import daemon; daemon.SHUTDOWN_GRACE_S = 0.5; "
-               "from capd.cli import main; main(prog_name='capd')")
-    proc = subprocess.Popen([sys.executable, "-c", shorten, "serve", *_hash_args(tmp_path), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _start_with(tmp_path, port, "SHUTDOWN_GRACE_S", 0.5)
     client = CapdClient(f"http://127.0.0.1:{port}")
     try:
         _wait_ready(client, proc)
@@ -490,10 +495,7 @@ def test_a_connection_that_sends_no_request_head_in_time_is_closed(tmp_path: Pat
     request line, held its descriptor for good (400 of them took a daemon from 32 to 432). Each
     request's head now has ``HEADERS_S`` (shortened here); an idle keep-alive connection stays."""
     port = _free_port()
-    shorten = ("import sys; from capd import daemon; daemon.HEADERS_S = 0.5; "
-               "from capd.cli import main; main(prog_name='capd')")
-    proc = subprocess.Popen([sys.executable, "-c", shorten, "serve", *_hash_args(tmp_path), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _start_with(tmp_path, port, "HEADERS_S", 0.5)
     client = CapdClient(f"http://127.0.0.1:{port}")
     try:
         _wait_ready(client, proc)
