@@ -9,6 +9,8 @@ but probably not as meant), ``info`` (worth knowing). Checks:
 - two ``[[mcp.servers]]`` of one name in a provider (error: plans and teardown know servers by name),
   or one server name that two capabilities define differently (warning: a session runs one of them);
 - ``allowed_tools`` scoped to a server the capability does not use (warning);
+- ``[[mcp.servers]]`` entries octomind would skip: no ``type`` / ``timeout_seconds`` / ``tools``,
+  stdio without ``command``, http without ``url``, or a type octomind does not know (warnings);
 - no triggers (warning: never auto-routed, can still be enabled by name);
 - triggers shorter than ``MIN_TRIGGER_CHARS`` non-space characters (warning: the router
   skips messages that short, so such a trigger can only match longer paraphrases);
@@ -91,6 +93,36 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
                           capability.name, "unknown-tool-server")
 
 
+OCTOMIND_SERVER_TYPES = ("builtin", "http", "stdio")
+
+
+def _check_servers(capability: Capability) -> Iterable[Problem]:
+    """``[[mcp.servers]]`` entries octomind (whose taps capd reads) would skip as malformed: it
+    requires ``type`` (builtin, http or stdio), ``timeout_seconds`` and ``tools``, ``command`` for
+    stdio and ``url`` for http. capd plans them as written (no type reads as stdio), so an agent
+    reading capd's plan and octomind reading the tap would disagree."""
+    provider = capability.provider
+    if provider is None:
+        return
+    text = provider.path.read_text(encoding="utf-8", errors="replace")
+    for spec in provider.servers:
+        raw = spec.spec
+        line = _server_line(text, spec.name)
+        needed = [key for key in ("type", "timeout_seconds", "tools") if key not in raw]
+        kind = raw.get("type")
+        if kind == "stdio" and "command" not in raw:
+            needed.append("command")
+        if kind == "http" and "url" not in raw:
+            needed.append("url")
+        if needed:
+            yield Problem("warning", str(provider.path), f"server {spec.name!r} has no {', '.join(needed)}: "
+                          "octomind skips such an entry" + (" (capd's plans say stdio)" if "type" in needed else ""),
+                          line, capability.name, "server-incomplete")
+        if kind is not None and kind not in OCTOMIND_SERVER_TYPES:
+            yield Problem("warning", str(provider.path), f"server {spec.name!r} has type {kind!r}; octomind knows "
+                          f"{', '.join(OCTOMIND_SERVER_TYPES)}", line, capability.name, "server-type")
+
+
 def _check_triggers(capability: Capability) -> Iterable[Problem]:
     config = str(capability.path / "config.toml")
     if not capability.triggers:  # named by its folder when it has no config.toml to point at
@@ -162,6 +194,7 @@ def lint_catalog(catalog: Catalog) -> list[Problem]:
     problems = list(catalog.problems)
     for capability in catalog:
         problems.extend(_check_provider(capability))
+        problems.extend(_check_servers(capability))
         problems.extend(_check_triggers(capability))
         problems.extend(_check_keys(capability))
     problems.extend(_cross_duplicates(catalog))

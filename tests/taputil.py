@@ -43,6 +43,8 @@ def fs_provider(tools: list[str]) -> str:
         type = "stdio"
         command = "npx"
         args = ["-y", "@modelcontextprotocol/server-filesystem", "."]
+        timeout_seconds = 30
+        tools = []
         """)
 
 

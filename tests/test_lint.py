@@ -220,3 +220,21 @@ def test_a_fixture_expecting_a_capability_that_failed_to_load_says_so(tmp_path: 
     _, report = _lint(str(tap))
     (found,) = [p for p in report["problems"] if p["code"] == "fixture-invalid"]  # type: ignore[union-attr,index]
     assert "'broken', which failed to load" in found["reason"] and found["line"] == 1  # type: ignore[index,operator]
+
+
+def test_server_entries_octomind_would_skip_are_warned_about(tmp_path: Path) -> None:
+    """octomind requires type (builtin, http or stdio), timeout_seconds and tools, command for stdio
+    and url for http, and skips an entry without them; capd planned them as written (no type: stdio)."""
+    tap = octomind_tap(tmp_path)
+    provider = ('[roles.mcp]\nserver_refs = ["a", "b", "c"]\n\n'
+                '[[mcp.servers]]\nname = "a"\ncommand = "run-a"\n\n'  # line 5: no type, timeout, tools
+                '[[mcp.servers]]\nname = "b"\ntype = "http"\ntimeout_seconds = 5\ntools = []\n\n'  # line 9: no url
+                '[[mcp.servers]]\nname = "c"\ntype = "stdin"\ncommand = "c"\ntimeout_seconds = 5\ntools = []\n')
+    write_capability(tap, "loose", ["start the loose servers"], {"p": provider}, default="p")
+    code, report = _lint(str(tap))
+    assert code == 0  # warnings: capd itself can plan them
+    found = [(p["code"], p["line"], p["reason"]) for p in report["problems"]  # type: ignore[union-attr,index]
+             if p["capability"] == "loose" and str(p["code"]).startswith("server")]  # type: ignore[index]
+    assert [(c, line) for c, line, _ in found] == [("server-incomplete", 5), ("server-incomplete", 9),
+                                                   ("server-type", 15)]
+    assert "'a' has no type, timeout_seconds, tools" in found[0][2] and "has no url" in found[1][2]
