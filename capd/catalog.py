@@ -161,13 +161,23 @@ class Capability:
 
     @property
     def servers(self) -> tuple[ServerSpec, ...]:
-        """The servers this capability starts: those named by ``server_refs`` (or all defined, if none are named)."""
+        """The servers this capability starts: those named by ``server_refs`` (or all defined, if none
+        are named), less those ``allowed_tools`` grants no tool (as octomind drops them: a server
+        started with no tool to call; :attr:`ungranted`)."""
         if self.provider is None:
             return ()
         defined = {s.name: s for s in self.provider.servers}
         refs = self.provider.server_refs or tuple(defined)
         return tuple(defined.get(ref) or ServerSpec(name=ref, type="unresolved", spec=MappingProxyType({}))
-                     for ref in refs)
+                     for ref in refs if ref not in self.ungranted)
+
+    @property
+    def ungranted(self) -> tuple[str, ...]:
+        """Servers the provider references that a non-empty ``allowed_tools`` grants no tool."""
+        if self.provider is None or not self.provider.allowed_tools:
+            return ()
+        refs = self.provider.server_refs or tuple(s.name for s in self.provider.servers)
+        return tuple(ref for ref in dict.fromkeys(refs) if not tools_for_server(self.provider.allowed_tools, ref))
 
     @property
     def server_tools(self) -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -8,7 +8,8 @@ but probably not as meant), ``info`` (worth knowing). Checks:
 - ``server_refs`` naming a server no ``[[mcp.servers]]`` defines (error);
 - two ``[[mcp.servers]]`` of one name in a provider (error: plans and teardown know servers by name),
   or one server name that two capabilities define differently (warning: a session runs one of them);
-- ``allowed_tools`` scoped to a server the capability does not use (warning);
+- ``allowed_tools`` scoped to a server the capability does not use (warning), or granting a
+  server it references no tool (warning: that server is not started);
 - ``[[mcp.servers]]`` entries octomind would skip: no ``type`` / ``timeout_seconds`` / ``tools``,
   stdio without ``command``, http without ``url``, or a type octomind does not know (warnings);
 - no triggers (warning: never auto-routed, can still be enabled by name);
@@ -84,6 +85,10 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
         if ref not in defined:
             yield Problem("error", str(provider.path), f"server_refs names {ref!r}, but no [[mcp.servers]] entry "
                           "has that name", _line_of(text, "server_refs"), capability.name, "unknown-server-ref")
+    for name in capability.ungranted:
+        yield Problem("warning", str(provider.path), f"server {name!r} is referenced, but allowed_tools grants it no "
+                      "tool: it is not started (as in octomind)", _line_of(text, "allowed_tools"), capability.name,
+                      "ungranted-server")
     used = set(provider.server_refs) or defined
     for pattern in provider.allowed_tools:
         scope, sep, _ = pattern.partition(":")

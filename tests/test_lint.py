@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from capd.cli import main
 from capd.settings import default_taps
+from capd.taps import load_catalog
 from tests.taputil import POSTGRES_PROVIDER, octomind_tap, write_capability
 
 
@@ -238,3 +239,18 @@ def test_server_entries_octomind_would_skip_are_warned_about(tmp_path: Path) -> 
     assert [(c, line) for c, line, _ in found] == [("server-incomplete", 5), ("server-incomplete", 9),
                                                    ("server-type", 15)]
     assert "'a' has no type, timeout_seconds, tools" in found[0][2] and "has no url" in found[1][2]
+
+
+def test_a_referenced_server_no_pattern_grants_is_not_started_and_lint_says_so(tmp_path: Path) -> None:
+    """It was planned with ``tools: []``, a server the agent could call nothing on; octomind drops it."""
+    tap = octomind_tap(tmp_path)
+    provider = ('[roles.mcp]\nserver_refs = ["a", "b"]\nallowed_tools = ["a:*"]\n\n'
+                '[[mcp.servers]]\nname = "a"\ntype = "stdio"\ncommand = "a"\ntimeout_seconds = 5\ntools = []\n\n'
+                '[[mcp.servers]]\nname = "b"\ntype = "stdio"\ncommand = "b"\ntimeout_seconds = 5\ntools = []\n')
+    write_capability(tap, "pair", ["start the pair of servers"], {"p": provider}, default="p")
+    catalog = load_catalog((tap,))
+    pair = catalog.get("pair")
+    assert pair is not None and [s.name for s in pair.servers] == ["a"] and pair.ungranted == ("b",)
+    _, report = _lint(str(tap))
+    (found,) = [p for p in report["problems"] if p["code"] == "ungranted-server"]  # type: ignore[union-attr,index]
+    assert found["line"] == 3 and "'b' is referenced" in found["reason"]  # type: ignore[index,operator]
