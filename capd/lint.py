@@ -37,7 +37,7 @@ import tomllib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from capd.catalog import Capability, Catalog, Problem
+from capd.catalog import Capability, Catalog, Problem, Provider
 from capd.fixtures import Fixture, name_errors, read_fixture_file, tap_fixture_files
 from capd.taps import _line_of, trigger_lines
 from capd.text import clean_message, recall_key
@@ -89,6 +89,7 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
         yield Problem("warning", str(provider.path), f"server {name!r} is referenced, but allowed_tools grants it no "
                       "tool: it is not started (as in octomind)", _line_of(text, "allowed_tools"), capability.name,
                       "ungranted-server")
+    yield from _check_servers(capability, provider, text)
     used = set(provider.server_refs) or defined
     for pattern in provider.allowed_tools:
         scope, sep, _ = pattern.partition(":")
@@ -101,15 +102,11 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
 OCTOMIND_SERVER_TYPES = ("builtin", "http", "stdio")
 
 
-def _check_servers(capability: Capability) -> Iterable[Problem]:
+def _check_servers(capability: Capability, provider: Provider, text: str) -> Iterable[Problem]:
     """``[[mcp.servers]]`` entries octomind (whose taps capd reads) would skip as malformed: it
     requires ``type`` (builtin, http or stdio), ``timeout_seconds`` and ``tools``, ``command`` for
     stdio and ``url`` for http. capd plans them as written (no type reads as stdio), so an agent
-    reading capd's plan and octomind reading the tap would disagree."""
-    provider = capability.provider
-    if provider is None:
-        return
-    text = provider.path.read_text(encoding="utf-8", errors="replace")
+    reading capd's plan and octomind reading the tap would disagree. ``text`` is the provider file's."""
     for spec in provider.servers:
         raw = spec.spec
         line = _server_line(text, spec.name)
@@ -199,7 +196,6 @@ def lint_catalog(catalog: Catalog) -> list[Problem]:
     problems = list(catalog.problems)
     for capability in catalog:
         problems.extend(_check_provider(capability))
-        problems.extend(_check_servers(capability))
         problems.extend(_check_triggers(capability))
         problems.extend(_check_keys(capability))
     problems.extend(_cross_duplicates(catalog))
@@ -220,6 +216,7 @@ def lint_fixtures(catalog: Catalog, min_chars: int = MIN_TRIGGER_CHARS) -> list[
     to route (under ``min_chars`` it is skipped, so it always fails), a message that is word for word
     a trigger of the capability it expects (it measures memory, not routing)."""
     broken = {p.capability for p in catalog.errors if p.capability is not None}
+    triggers = {c.name: {recall_key(t) for t in c.triggers} for c in catalog}
     problems: list[Problem] = []
     for tap in catalog.taps:
         first: dict[str, Fixture] = {}  # across the tap's files: `capd test` runs them together
@@ -227,11 +224,11 @@ def lint_fixtures(catalog: Catalog, min_chars: int = MIN_TRIGGER_CHARS) -> list[
             rows, errors = read_fixture_file(path)
             errors.extend(name_errors(rows, catalog.capabilities, broken))
             problems.extend(Problem("error", str(e.path), e.reason, e.line, code="fixture-invalid") for e in errors)
-            problems.extend(_doubtful_rows(catalog, rows, min_chars, first))
+            problems.extend(_doubtful_rows(triggers, rows, min_chars, first))
     return problems
 
 
-def _doubtful_rows(catalog: Catalog, rows: list[Fixture], min_chars: int,
+def _doubtful_rows(triggers: dict[str, set[str]], rows: list[Fixture], min_chars: int,
                    first: dict[str, Fixture]) -> Iterable[Problem]:
     for row in rows:
         file, _, line = row.source.rpartition(":")
@@ -251,8 +248,7 @@ def _doubtful_rows(catalog: Catalog, rows: list[Fixture], min_chars: int,
             yield Problem("warning", file, f"a positive shorter than {min_chars} characters after removing tags: "
                           "the router skips it, so it always fails", int(line), code="fixture-short")
         for name in row.expect:
-            capability = catalog.get(name)
-            if capability is not None and recall_key(text) in {recall_key(t) for t in capability.triggers}:
+            if recall_key(text) in triggers.get(name, ()):
                 yield Problem("warning", file, f"the message is a trigger of {name!r}: it measures memory, "
                               "not routing (use a paraphrase)", int(line), name, "fixture-is-trigger")
 

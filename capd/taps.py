@@ -152,12 +152,17 @@ def parse_toml_bytes(path: Path, data: bytes) -> tuple[dict[str, Any], str, byte
         raise TapFileError(path, f"invalid TOML: {reason}", where) from None
 
 
-def _line_of(text: str, key: str, start: int = 0, end: int | None = None) -> int | None:
-    """Best-effort line of ``key = …`` or ``[key]`` (between offsets ``start`` and ``end``) so
-    schema errors point somewhere useful. Only spaces and tabs may precede it on its line (any
-    whitespace would let a match start on a blank line above)."""
+def _key_match(text: str, key: str, start: int = 0, end: int | None = None) -> re.Match[str] | None:
+    """The first ``key = …`` or ``[key]`` between offsets ``start`` and ``end``. Only spaces and tabs
+    may precede it on its line (any whitespace would let a match start on a blank line above)."""
     pattern = re.compile(rf"^[ \t]*(\[\[?\s*{re.escape(key)}\s*\]\]?|[\"']?{re.escape(key)}[\"']?\s*=)", re.M)
-    match = pattern.search(text, start, len(text) if end is None else end)
+    return pattern.search(text, start, len(text) if end is None else end)
+
+
+def _line_of(text: str, key: str, start: int = 0, end: int | None = None) -> int | None:
+    """Best-effort line of ``key = …`` or ``[key]`` (:func:`_key_match`) so schema errors point
+    somewhere useful."""
+    match = _key_match(text, key, start, end)
     return text.count("\n", 0, match.start()) + 1 if match else None
 
 
@@ -193,7 +198,7 @@ def _string_tokens(text: str, start: int) -> Iterable[tuple[str, int]]:
 def trigger_lines(text: str) -> list[tuple[str, int]]:
     """Each trigger of a ``config.toml`` in file order with the line its string starts on, decoded
     as TOML decodes it (escapes, literal and multi-line strings); empty when the file does not read."""
-    key = re.compile(r"^[ \t]*[\"']?triggers[\"']?\s*=", re.M).search(text)
+    key = _key_match(text, "triggers")
     if key is None:
         return []
     found = []

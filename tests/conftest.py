@@ -106,6 +106,23 @@ def fused_core(model_settings: Settings) -> Iterator[Any]:
     service.close()
 
 
+class HeldEncoder(HashEncoder):
+    """The deterministic fake; while ``hold`` is set, each embed counts its texts (``texts``), says
+    it got there (``reached``) and waits for ``release``: work caught in the middle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts = 0
+        self.hold, self.reached, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        if self.hold.is_set():
+            self.texts += len(texts)
+            self.reached.set()
+            self.release.wait(30)
+        return super().embed(texts)
+
+
 class GatedEncoder(HashEncoder):
     """The deterministic fake, holding every embed until ``gate`` is set: a daemon kept loading."""
 

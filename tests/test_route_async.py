@@ -8,20 +8,17 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import uvicorn
 
 from capd import service as service_module
 from capd.api import create_app
-from capd.encoder import HashEncoder
 from capd.service import Service
 from capd.settings import Settings
-from tests.conftest import SettingsFactory
+from tests.conftest import HeldEncoder, SettingsFactory
 from tests.taputil import octomind_tap
 
 MESSAGES = [
@@ -151,26 +148,12 @@ def test_a_capability_removed_while_its_message_is_routed_is_an_abstain(
         service.close()
 
 
-class _HeldEncoder(HashEncoder):
-    """The deterministic fake; while ``hold`` is set, an embed says so (``reached``) and waits for ``release``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.hold, self.reached, self.release = threading.Event(), threading.Event(), threading.Event()
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        if self.hold.is_set():
-            self.reached.set()
-            self.release.wait(30)
-        return super().embed(texts)
-
-
 def test_a_route_whose_client_left_changes_no_session_and_a_lost_plan_can_be_fetched_again(tmp_path: Path) -> None:
     """A route whose client gave up (a timeout, a dropped connection) was committed all the same: the
     agent never got the plan, the next route said already_active with nothing to start, and capd
     counted a server as running that the agent never started. The session is now left as it was;
     and GET /v1/sessions/{id}/plan gives back what to start for the session as capd holds it."""
-    port, encoder = _free_port(), _HeldEncoder()
+    port, encoder = _free_port(), HeldEncoder()
     settings = Settings(taps=(octomind_tap(tmp_path / "tap"),), model="hash", data_dir=tmp_path / "data")
     server = uvicorn.Server(uvicorn.Config(create_app(settings, encoder=encoder, watch=False), host="127.0.0.1",
                                            port=port, log_level="warning"))

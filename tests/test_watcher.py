@@ -9,19 +9,18 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from capd import watcher as watcher_module
 from capd.api import create_app
-from capd.encoder import HashEncoder
 from capd.errors import Stopping
 from capd.service import Service
 from capd.settings import Settings
 from capd.watcher import TapWatcher
+from tests.conftest import HeldEncoder
 from tests.taputil import POSTGRES_PROVIDER, local_client, octomind_tap, write_capability
 
 
@@ -617,30 +616,14 @@ def test_files_created_next_to_a_tap_do_not_reload_it(tmp_path: Path) -> None:
         watcher.stop()
 
 
-class _HeldEncoder(HashEncoder):
-    """The deterministic fake; once ``armed``, it counts the texts it embeds and waits for ``release``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed, self.texts = False, 0
-        self.reached, self.release = threading.Event(), threading.Event()
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        if self.armed:
-            self.texts += len(texts)
-            self.reached.set()
-            self.release.wait(30)
-        return super().embed(texts)
-
-
 def test_a_stop_during_a_reload_ends_it_before_the_next_batch(tmp_path: Path) -> None:
     """A SIGTERM during the reload of an edited 1,140-capability tap waited 26-30 s for every batch
     to be embedded (the daemon's grace is 10 s): the stop now ends the reload at its next batch."""
     tap = octomind_tap(tmp_path)
-    encoder = _HeldEncoder()
+    encoder = HeldEncoder()
     service = Service(Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash"), encoder=encoder).start()
     write_capability(tap, "many", [f"trigger number {i} of a large capability" for i in range(640)])  # 10 batches
-    encoder.armed = True
+    encoder.hold.set()
     outcome: list[BaseException | dict[str, object]] = []
 
     def reload() -> None:

@@ -306,12 +306,10 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.fit_auto_gates())
     point = report["recommended"]
     refused = write and point is not None and NO_NULLS in report["warnings"]
-    if write and point is not None and not refused:
-        # every edit made and checked before any file is written
-        edits = [gates_edit(Path(t), point, service.gate_model, settings.rule) for t in settings.taps]
+    if write:  # every edit made and checked before any file is written
+        edits = [] if point is None or refused else [gates_edit(Path(t), point, service.gate_model, settings.rule)
+                                                     for t in settings.taps]
         report["written"] = [str(edit.write()) for edit in edits]
-    if write:
-        report.setdefault("written", [])
     if not as_json:
         for warning in report.get("warnings", []):
             click.echo(f"warning: {warning}", err=True)
