@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import threading
@@ -29,6 +30,11 @@ from capd.models import VERIFIED_FILE
 from capd.settings import Settings
 
 SettingsFactory = Callable[..., Settings]
+
+# The suite makes data directories with plain mkdir; under a machine's umask 000 they would be
+# 0777, which capd refuses as a data directory every user may write to (capd.settings.own_data_dir).
+# The usual umask, whatever the machine's: the tests that check permissions set their own.
+os.umask(0o022)
 
 
 @pytest.fixture(scope="session")
