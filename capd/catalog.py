@@ -216,14 +216,19 @@ def fingerprint(name: str, triggers: tuple[str, ...], description: str | None, d
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
+RULES = ("capd", "anchor", "fused")  # the routing rules a setting or a tap's capd.toml may name (capd/router.py)
+
+
 @dataclass(frozen=True)
 class TapConfig:
-    """``<tap>/capd.toml``: per-tap gate overrides written by ``capd calibrate --write``."""
+    """``<tap>/capd.toml``: per-tap gate overrides written by ``capd calibrate --write``, and the rule
+    the tap's author routes it with (``rule``, written by hand; see :func:`capd.settings.tap_rule`)."""
 
     path: Path
     gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # anchor and capd rules
     model: str | None = None  # the model the gates were calibrated for; other models ignore them
     fused_gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # [gates.fused]
+    rule: str | None = None  # the rule the tap asks for when no setting names one
 
     def gates_for(self, rule: str) -> Mapping[str, float | bool]:
         return self.fused_gates if rule == "fused" else self.gates

@@ -199,8 +199,8 @@ def serve(settings: Settings) -> None:
     sock, lock = bind(settings)
     # The port actually bound: with --port 0 the system chooses one.
     where = str(settings.uds) if settings.uds is not None else base_url(settings.host, sock.getsockname()[1])
-    log.info("capd listening on %s; taps: %s; data: %s", where, ", ".join(map(str, settings.taps)),
-             settings.data_dir)
+    log.info("capd listening on %s; taps: %s; data: %s; rule %s (%s)", where, ", ".join(map(str, settings.taps)),
+             settings.data_dir, settings.rule, settings.rule_from)
     if exposed_without_token(settings):
         log.warning("listening on %s without a token: anyone who can reach it can drive your agent's tools",
                     settings.host)

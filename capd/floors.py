@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
+from capd.catalog import RULES
 from capd.errors import FixtureError, TapFileError
-from capd.settings import RULES
 from capd.taps import _line_in_table, _line_of, parse_toml
 
 FLOORS_FILE = "floors.toml"

@@ -37,7 +37,7 @@ import tomllib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from capd.catalog import Capability, Catalog, Problem, Provider
+from capd.catalog import Capability, Catalog, Problem, Provider, TapConfig
 from capd.fixtures import Fixture, name_errors, read_fixture_file, tap_fixture_files
 from capd.taps import _line_of, trigger_lines
 from capd.text import clean_message, recall_key
@@ -191,6 +191,26 @@ def _server_conflicts(catalog: Catalog) -> Iterable[Problem]:
                               _server_line(text, spec.name), capability.name, "server-conflict")
 
 
+def _ignored_rules(catalog: Catalog) -> Iterable[Problem]:
+    """A tap naming a rule after another tap named a different one: the first decides for every tap
+    (:func:`capd.settings.tap_rule`), so this tap routes with a rule its author did not name."""
+    first: TapConfig | None = None
+    for tap in catalog.taps:
+        config = catalog.tap_configs.get(tap)
+        if config is None or config.rule is None:
+            continue
+        if first is None:
+            first = config
+        elif config.rule != first.rule:
+            try:
+                line = _line_of(config.path.read_text(encoding="utf-8", errors="replace"), "rule")
+            except OSError:
+                line = None
+            yield Problem("warning", str(config.path), f"rule {config.rule!r} is not used: {first.path} names "
+                          f"{first.rule!r} first, and the first tap naming a rule decides for all of them "
+                          "(a setting beats both)", line, code="rule-ignored")
+
+
 def lint_catalog(catalog: Catalog) -> list[Problem]:
     """All static findings for a loaded catalog (load problems included), errors first."""
     problems = list(catalog.problems)
@@ -200,6 +220,7 @@ def lint_catalog(catalog: Catalog) -> list[Problem]:
         problems.extend(_check_keys(capability))
     problems.extend(_cross_duplicates(catalog))
     problems.extend(_server_conflicts(catalog))
+    problems.extend(_ignored_rules(catalog))
     return ordered(problems)
 
 

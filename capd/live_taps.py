@@ -38,6 +38,7 @@ class _TapState:
     problems: dict[str, list[Problem]] = field(default_factory=dict)
     links: dict[str, tuple[Path, ...]] = field(default_factory=dict)  # real paths a folder or its files link to
     config: TapConfig | None = None  # the last good capd.toml
+    loaded: bool = False  # loaded once (the first load is the rule's, at start: capd.settings.tap_rule)
 
     def in_folder_order(self) -> list[Capability]:
         return [self.capabilities[name] for name in sorted(self.capabilities)]
@@ -46,6 +47,17 @@ class _TapState:
         self.capabilities.pop(name, None)
         self.problems.pop(name, None)
         self.links.pop(name, None)
+
+
+def _note_rule_change(state: _TapState, config: TapConfig | None) -> None:
+    """Say when an edit changes the rule a tap's capd.toml names: the rule was chosen at start and is
+    kept until the next one (:func:`capd.settings.tap_rule`), so the edit alone changes nothing."""
+    old = state.config.rule if state.config is not None else None
+    new = config.rule if config is not None else None
+    if state.loaded and new != old:
+        where = config.path if config is not None else state.config.path if state.config is not None else "capd.toml"
+        log.warning("%s: rule %s is now %s; the rule is chosen at start, so this takes effect when capd restarts "
+                    "(unless a setting names the rule)", where, old or "(none)", new or "(none)")
 
 
 def _touched(targets: set[Path], real_targets: set[Path], roots: Sequence[Path],
@@ -197,9 +209,11 @@ class LiveTaps:
                     log.error("keeping the last good version of %s: %s", name, "; ".join(str(p) for p in problems))
             config, found = load_tap_config(tap)
             if config is not None or not found:
+                _note_rule_change(state, config)
                 state.config = config
             elif state.config is not None:
                 log.error("keeping the last good gates of %s: %s", tap, "; ".join(str(p) for p in found))
             folder_problems = [p for ps in state.problems.values() for p in ps]
+            state.loaded = True
             loads.append((state.in_folder_order(), unusable + folder_problems + found, state.config))
         return assemble(self.taps, loads)

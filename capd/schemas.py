@@ -164,6 +164,9 @@ class HealthOut(_Out):
     status: Literal["ok", "starting", "error"]
     ready: bool
     model: str
+    rule: str = Field(description="the routing rule in use (capd, anchor or fused)")
+    rule_from: str = Field(description='where the rule came from: "default", "settings" (a flag, CAPD_RULE or the '
+                           "config file), or the path of the tap's capd.toml that names it")
     capabilities: int
     triggers: int
     embedded: int

@@ -739,6 +739,8 @@ class Service:
             "status": "error" if self.startup_error else "ok" if self.ready else "starting",
             "ready": self.ready,
             "model": self._routing_model_id(),
+            "rule": self.settings.rule,
+            "rule_from": self.settings.rule_from,
             "capabilities": len(catalog),
             "triggers": catalog.trigger_count,
             "embedded": self.counters.embedded,

@@ -20,15 +20,15 @@ from typing import Any
 
 import platformdirs
 
+from capd.catalog import RULES
 from capd.errors import ConfigError, TapFileError
 from capd.learned import MAX_PER_CAPABILITY
-from capd.taps import MAX_FILE_BYTES, _line_of, parse_toml_bytes
+from capd.taps import MAX_FILE_BYTES, _line_of, load_tap_config, parse_toml_bytes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
 BACKENDS = ("auto", "onnx", "torch")
-RULES = ("capd", "anchor", "fused")
 WATCH_MODES = ("auto", "poll", "off")  # live reload: notifications (scanning if they fail), scanning, none
 
 
@@ -98,6 +98,7 @@ class Settings:
     models_dir: Path = field(default_factory=shipped_models_dir)
     backend: str = "auto"
     rule: str = "capd"
+    rule_from: str = "default"  # where ``rule`` came from: "default", "settings", or the capd.toml that named it
     threshold: float | None = None
     margin: float | None = None
     top_k: int | None = None
@@ -441,7 +442,39 @@ def load_settings(
     if values.get("token") == "":
         values["token"] = None
     chosen = config_path if (explicit is not None or config_path.is_file()) else None
+    if "rule" in values:
+        values["rule_from"] = "settings"
+    elif named := tap_rule(values.get("taps") or default_taps()):  # type: ignore[arg-type]
+        values["rule"], values["rule_from"] = named[0], str(named[1])
     return Settings(**values, config_file=chosen)  # type: ignore[arg-type]
+
+
+def for_one_tap(settings: Settings, tap: Path) -> Settings:
+    """``settings`` for ``tap`` alone (``capd test`` tests each tap on its own): with the rule that
+    tap names, unless a setting named one (the rule of the first tap named no longer decides)."""
+    narrowed = dataclasses.replace(settings, taps=(tap,))
+    if settings.rule_from == "settings":
+        return narrowed
+    rule, named = tap_rule((tap,)) or ("capd", "default")
+    return dataclasses.replace(narrowed, rule=rule, rule_from=str(named))
+
+
+def tap_rule(taps: Iterable[Path]) -> tuple[str, Path] | None:
+    """The rule a tap asks for (``rule`` in its ``capd.toml``) and the file that asks, from the first
+    tap in precedence order that names one; a setting (flag, ``CAPD_RULE``, config file) beats it.
+
+    A tap's author who has measured a rule on the tap's fixtures names it there, so that the tap
+    routes with it by default: taps/core names ``fused``, which fires right on 0.833 of its fixture
+    positives against 0.469 for the ``capd`` rule (``capd test taps/core``). capd's own default stays
+    ``capd`` for taps that name none (``fused`` without calibrated gates lets more nulls through:
+    README, *Which rule by default*). The rule is chosen when capd starts: a daemon keeps it when the
+    file changes (one rule's fitted state cannot be swapped for another's under live routes), and
+    says so in its log. A ``capd.toml`` that does not load names no rule (the catalog reports why)."""
+    for tap in taps:
+        config, _ = load_tap_config(tap)
+        if config is not None and config.rule is not None:
+            return config.rule, config.path
+    return None
 
 
 def _warn_unknown_env(environ: Mapping[str, str]) -> None:

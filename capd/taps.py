@@ -36,7 +36,7 @@ from types import MappingProxyType
 from typing import Any
 
 from capd import toml_read
-from capd.catalog import Capability, Catalog, Problem, Provider, ServerSpec, TapConfig, fingerprint
+from capd.catalog import RULES, Capability, Catalog, Problem, Provider, ServerSpec, TapConfig, fingerprint
 from capd.errors import TapFileError
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ MAX_FILE_BYTES = 1 << 20
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 TAP_CONFIG = "capd.toml"
 GATE_KEYS = ("threshold", "margin", "top_k")
-TAP_CONFIG_KEYS = ("model", "gates")  # what capd reads at the top level of a tap's capd.toml
+TAP_CONFIG_KEYS = ("model", "gates", "rule")  # what capd reads at the top level of a tap's capd.toml
 SWITCH = "abstain_corpus"  # a gate table's on/off key: veto with the shipped abstain corpus (capd/router.py)
 _TOML_POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
 _HEADER = re.compile(r"^#\s*(Title|Description)\s*:\s*(.*?)\s*$")
@@ -463,7 +463,11 @@ def tap_config(path: Path, table: Mapping[str, Any], text: str) -> TapConfig:
     gates = _gate_values(check, "gates", gates_raw, GATE_KEYS)
     fused_gates = _gate_values(check, "gates.fused", fused_raw, ("threshold", "margin", "coverage"))
     model = check.optional_str(table, "model")
-    return TapConfig(path=path, gates=MappingProxyType(gates), model=model, fused_gates=MappingProxyType(fused_gates))
+    rule = check.optional_str(table, "rule")
+    if rule is not None and rule not in RULES:
+        raise check.fail("rule", f"must be one of {', '.join(RULES)} (got {rule!r})")
+    return TapConfig(path=path, gates=MappingProxyType(gates), model=model, fused_gates=MappingProxyType(fused_gates),
+                     rule=rule)
 
 
 def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any],

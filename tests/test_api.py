@@ -38,9 +38,26 @@ def test_health_and_capabilities(api: TestClient) -> None:
     assert health["ready"] is True and health["status"] == "ok"
     assert health["capabilities"] == 5 and health["triggers"] == 11 and health["errors"] == []
     assert health["embedded"] + health["cached"] == 11
+    assert (health["rule"], health["rule_from"]) == ("capd", "default")
     caps = api.get("/v1/capabilities").json()["capabilities"]
     assert {c["name"] for c in caps} >= {"database-postgres", "filesystem-read"}
     assert all(c["active"] is False for c in caps)
+
+
+def test_a_daemon_routes_with_the_rule_its_tap_names(tmp_path: Path, model_settings: Settings) -> None:
+    """Settings built as ``capd serve`` builds them: the tap's capd.toml names fused, nothing else
+    names a rule, so the daemon routes with fused (its scores are levels, its margins log-odds gaps)."""
+    from capd.settings import load_settings
+
+    tap = octomind_tap(tmp_path)
+    (tap / "capd.toml").write_text('rule = "fused"\n')
+    env = {"CAPD_TAPS": str(tap), "CAPD_CONFIG": "", "CAPD_DATA_DIR": str(tmp_path / "data")}
+    settings = replace(load_settings(env=env), models_dir=model_settings.models_dir)
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        health = client.get("/v1/health").json()
+        assert (health["rule"], health["rule_from"]) == ("fused", str(tap / "capd.toml"))
+        routed = client.post("/v1/route", json={"message": "please run a query on the postgres database"}).json()
+        assert routed["capability"] == "database-postgres" and "level" in routed["reason"]
 
 
 def test_route_activates_then_already_active(api: TestClient) -> None:

@@ -294,6 +294,23 @@ def _tap_with_fixtures(tmp_path: Path, floors: str) -> Path:
     return tap
 
 
+def test_capd_test_holds_each_tap_to_the_rule_it_names(tmp_path: Path) -> None:
+    """Two taps, one naming anchor in its capd.toml and one naming none: each is tested with its own
+    rule and that rule's floors, and the text says which rule and why; --rule names one for both."""
+    named = _tap_with_fixtures(tmp_path / "a", "[floors]\nmin_top1 = 0\n[floors.anchor]\nmin_top1 = 0.1\n")
+    (named / "capd.toml").write_text('rule = "anchor"\n')
+    plain = _tap_with_fixtures(tmp_path / "b", "[floors]\nmin_top1 = 0\n")
+    args = ["test", str(named), str(plain), "--model", "hash", "--data-dir", str(tmp_path / "data")]
+    report = json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)
+    assert [(r["rule"], r["rule_from"], r["floors_table"]) for r in report["taps"]] == [
+        ("anchor", str(named / "capd.toml"), "floors.anchor"), ("capd", "default", "floors")]
+    text = CliRunner().invoke(main, args).output
+    assert f"  rule anchor (named by {named / 'capd.toml'}), floors from [floors.anchor] over [floors]" in text
+    assert "  rule capd, floors from [floors]" in text
+    report = json.loads(CliRunner().invoke(main, [*args, "--rule", "fused", "--json"]).stdout)
+    assert [(r["rule"], r["rule_from"]) for r in report["taps"]] == [("fused", "settings")] * 2
+
+
 def test_capd_test_pass_fail_and_junit(tmp_path: Path, model_settings: Settings) -> None:
     data = ["--data-dir", str(model_settings.data_dir)]
     good = _tap_with_fixtures(tmp_path / "good", "[floors]\nmin_top1 = 0.75\nmax_null_fpr = 0.0\n")
@@ -373,7 +390,15 @@ def test_shipped_tap_meets_its_floors(model_settings: Settings) -> None:
                                        "--json"])
     report = json.loads(result.stdout)
     assert result.exit_code == 0, json.dumps([r["checks"] for r in report["taps"]], indent=1)
-    assert all(r["floors"] and r["floors_table"] == "floors" and r["rule"] == "capd" for r in report["taps"])
+    # the shipped tap names the fused rule in its capd.toml, and is held to that rule's floors
+    assert [(r["rule"], Path(r["rule_from"]).parts[-2:], r["floors_table"]) for r in report["taps"]] == [
+        ("fused", ("core", "capd.toml"), "floors.fused")]
+    result = CliRunner().invoke(main, ["test", *map(str, taps), "--data-dir", str(model_settings.data_dir),
+                                       "--rule", "capd", "--json"])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0, json.dumps([r["checks"] for r in report["taps"]], indent=1)
+    assert all(r["floors"] and r["floors_table"] == "floors" and r["rule"] == "capd" and r["rule_from"] == "settings"
+               for r in report["taps"])
 
 
 def test_eval_json_and_html_report(tmp_path: Path, model_settings: Settings) -> None:
@@ -521,16 +546,21 @@ def test_a_tap_author_at_a_terminal_reads_what_the_json_says(model_settings: Set
     assert lines[at + 1:at + 1 + len(first["triggers"])] == [f"      {t['cosine']:.3f}  {t['text']}"
                                                              for t in first["triggers"]]
 
-    report = json.loads(run("eval", *fixtures, "--json"))
-    lines = run("eval", *fixtures).splitlines()
+    report = json.loads(run("eval", *fixtures, "--rule", "capd", "--json"))
+    lines = run("eval", *fixtures, "--rule", "capd").splitlines()
     assert lines[0] == (f"{report['n']} rows ({report['positives']} positives, {report['nulls']} nulls), rule capd, "
                         f"threshold {report['threshold']:.3f}, margin {report['margin']:.3f}")
     assert lines[1:5] == [f"  {key:<12}{report[key]:.3f}" for key in ("top1", "fired_right", "fired_wrong", "null_fpr")]
     assert lines[5] == "per kind:" and len(lines) > 6
+    report = json.loads(run("eval", *fixtures, "--json"))  # the rule the tap names, with its own gates
+    assert report["rule"] == "fused"
+    assert run("eval", *fixtures).splitlines()[0] == (
+        f"{report['n']} rows ({report['positives']} positives, {report['nulls']} nulls), rule fused, threshold "
+        f"{report['threshold']:.3f}, margin {report['margin']:.3f}, coverage {report['coverage']:.3f}")
 
-    calibrated = json.loads(run("calibrate", *fixtures, "--json"))
+    calibrated = json.loads(run("calibrate", *fixtures, "--rule", "capd", "--json"))
     point = calibrated["recommended"]
-    lines = run("calibrate", *fixtures).splitlines()
+    lines = run("calibrate", *fixtures, "--rule", "capd").splitlines()
     assert lines[0] == (f"fit on {calibrated['rows']['fit']} rows, checked on {calibrated['rows']['held_out']} "
                         "held-out rows; limits null_fpr <= 0.05, fired_wrong <= 0.03")
     assert (f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, margin {point['margin']:.3f}, "

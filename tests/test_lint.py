@@ -133,6 +133,27 @@ def test_one_server_name_two_specs_across_capabilities_is_a_warning(tmp_path: Pa
         conflicts[0]["reason"])
 
 
+def test_a_rule_named_by_a_later_tap_that_another_overrides_is_a_warning(tmp_path: Path) -> None:
+    """The first tap naming a rule decides for every tap: a later tap naming another routes with a
+    rule its author did not name, and lint says so on the line; the same rule twice is fine."""
+    first, second = octomind_tap(tmp_path / "a"), octomind_tap(tmp_path / "b")
+    (first / "capd.toml").write_text('rule = "fused"\n')
+    (second / "capd.toml").write_text('# ours\n[gates]\nthreshold = 0.5\n\n[notes]\nrule = "x"\n')
+    def ignored_rules() -> list[object]:
+        return [p for p in _lint(str(first), str(second))[1]["problems"]  # type: ignore[attr-defined]
+                if p["code"] == "rule-ignored"]
+
+    assert ignored_rules() == []  # a rule key in a table of the author's own is not capd's
+    (second / "capd.toml").write_text('# ours\nrule = "capd"\n[gates]\nthreshold = 0.5\n')
+    code, report = _lint(str(first), str(second))
+    (ignored,) = [p for p in report["problems"] if p["code"] == "rule-ignored"]  # type: ignore[union-attr,index]
+    assert code == 0 and (ignored["file"], ignored["line"], ignored["severity"]) == (
+        str(second / "capd.toml"), 2, "warning")
+    assert f"rule 'capd' is not used: {first / 'capd.toml'} names 'fused' first" in ignored["reason"]
+    (second / "capd.toml").write_text('rule = "fused"\n')
+    assert ignored_rules() == []
+
+
 def test_each_trigger_finding_points_at_the_string_it_is_about(tmp_path: Path) -> None:
     """Lines come from the trigger strings as TOML reads them: not the first line that merely
     contains the text (the description, a comment, a longer trigger), and a repeat is the second one."""

@@ -296,3 +296,64 @@ def test_a_daemon_on_a_refused_data_directory_fails_at_once(tmp_path: Path) -> N
     assert result.exit_code == 3, result.output
     assert "can be written by every user" in result.output
     assert oct(data.stat().st_mode & 0o777) == "0o777"  # nothing changed on the user's directory
+
+
+def _tap_naming(root: Path, rule: str | None, name: str = "tap") -> Path:
+    """A tap whose capd.toml names ``rule`` (none: no capd.toml)."""
+    tap = root / name
+    (tap / "capabilities").mkdir(parents=True)
+    if rule is not None:
+        (tap / "capd.toml").write_text(f'# measured on our fixtures\nrule = "{rule}"\n')
+    return tap
+
+
+def test_a_tap_names_its_rule_and_any_setting_beats_it(tmp_path: Path) -> None:
+    """The rule a tap's capd.toml names is the default for it; a flag, CAPD_RULE or the config file
+    beats it, and the first tap (in precedence order) that names one decides."""
+    fused, plain = _tap_naming(tmp_path, "fused", "a"), _tap_naming(tmp_path, None, "b")
+    anchor = _tap_naming(tmp_path, "anchor", "c")
+    taps = os.pathsep.join(map(str, (plain, fused, anchor)))
+    named = load_settings(env={"CAPD_TAPS": taps, "CAPD_CONFIG": ""})
+    assert (named.rule, named.rule_from) == ("fused", str(fused / "capd.toml"))
+    assert load_settings(env={"CAPD_TAPS": str(plain), "CAPD_CONFIG": ""}).rule_from == "default"
+    assert load_settings(env={"CAPD_TAPS": str(plain), "CAPD_CONFIG": ""}).rule == "capd"
+    config = tmp_path / "config.toml"
+    config.write_text('rule = "anchor"\n')
+    for settings in (load_settings(flags={"rule": "capd"}, env={"CAPD_TAPS": taps, "CAPD_CONFIG": ""}),
+                     load_settings(env={"CAPD_TAPS": taps, "CAPD_RULE": "capd", "CAPD_CONFIG": ""}),
+                     load_settings(env={"CAPD_TAPS": taps}, config=config)):
+        assert settings.rule_from == "settings" and settings.rule in ("capd", "anchor")
+    assert settings_module.for_one_tap(named, anchor).rule == "anchor"  # `capd test` holds each tap to its own
+    assert settings_module.for_one_tap(named, plain).rule == "capd"
+    told = load_settings(flags={"rule": "capd"}, env={"CAPD_TAPS": taps, "CAPD_CONFIG": ""})
+    assert settings_module.for_one_tap(told, fused).rule == "capd"
+
+
+def test_a_rule_capd_does_not_know_is_an_error_on_its_line_and_names_no_rule(tmp_path: Path) -> None:
+    from capd.taps import load_catalog
+
+    tap = _tap_naming(tmp_path, "semantic")
+    (problem,) = load_catalog([tap]).errors
+    assert (problem.line, problem.reason) == (2, "rule must be one of capd, anchor, fused (got 'semantic')")
+    assert load_settings(env={"CAPD_TAPS": str(tap), "CAPD_CONFIG": ""}).rule == "capd"
+
+
+def test_the_shipped_tap_routes_with_the_rule_it_names() -> None:
+    settings = load_settings(env={"CAPD_CONFIG": ""})
+    assert settings.rule == "fused" and settings.rule_from.endswith("core/capd.toml")
+
+
+def test_a_daemon_says_an_edited_rule_waits_for_a_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from capd.live_taps import LiveTaps
+
+    tap = _tap_naming(tmp_path, "fused")
+    live = LiveTaps([tap])
+    live.load()
+    (tap / "capd.toml").write_text('rule = "capd"\n')
+    with caplog.at_level(logging.WARNING, logger="capd.live_taps"):
+        live.load([tap / "capd.toml"])
+    assert any("rule fused is now capd" in r.getMessage() and "restarts" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="capd.live_taps"):
+        live.load([tap / "capd.toml"])  # unchanged: nothing to say
+    assert not caplog.records

@@ -152,7 +152,7 @@ def test_a_tuning_run_leaves_no_file_descriptor_open(tmp_path: Path) -> None:
     runs(range(1))  # first use: whatever the process opens once
     before = len(os.listdir("/proc/self/fd"))
     runs(range(1, 4))
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert len(os.listdir("/proc/self/fd")) <= before  # fewer when something else in the process closed one
 
 
 def test_a_failed_tuning_says_why(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from capd.catalog import RULES
 from capd.cli.common import (
     EXIT_UNREACHABLE,
     TEXT,
@@ -26,7 +27,7 @@ from capd.cli.common import (
     stderr,
 )
 from capd.client import CapdClient, base_url, check_host
-from capd.settings import RULES, WATCH_MODES, Settings
+from capd.settings import WATCH_MODES, Settings
 
 
 def client_for(settings: Settings) -> CapdClient:
@@ -90,7 +91,7 @@ def status(config: Path | None, host: str | None, port: int | None, uds: Path | 
     if as_json:
         emit_json(health)
     else:
-        click.echo(f"{health['status']}  ready={health['ready']}  model={health['model']}  "
+        click.echo(f"{health['status']}  ready={health['ready']}  model={health['model']}  rule={health['rule']}  "
                    f"capabilities={health['capabilities']}  triggers={health['triggers']}  "
                    f"embedded={health['embedded']}  cached={health['cached']}")
         tuning = health.get("tuning") or {}

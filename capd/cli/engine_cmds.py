@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from capd.catalog import RULES
 from capd.cli.common import (
     EXIT_ERROR,
     Failed,
@@ -21,7 +22,6 @@ from capd.cli.common import (
 )
 from capd.errors import CapdError, ModelError
 from capd.models import ModelManifest, availability, load_manifests, manifest_for, resolve
-from capd.settings import RULES
 
 if TYPE_CHECKING:
     from capd.catalog import Catalog
@@ -183,7 +183,6 @@ def _in_use(settings: Settings, catalog: Catalog) -> set[str]:
     rule, with the corrections learned in the data directory (the store is read, never created)."""
     from capd.learned import FILE_NAME, LearnedStore
     from capd.service import cached_texts
-    from capd.settings import RULES
     from capd.vectorcache import text_hash
 
     path = settings.data_dir / FILE_NAME

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from capd.catalog import RULES
 from capd.cli.common import (
     EXIT_ERROR,
     EXIT_USAGE,
@@ -27,7 +28,7 @@ from capd.cli.common import (
     write_file,
 )
 from capd.cli.daemon_cmds import client_for
-from capd.settings import RULES, Settings
+from capd.settings import Settings, for_one_tap
 from capd.text import clean_message
 
 
@@ -48,6 +49,11 @@ def _service(settings: Settings) -> Any:
 
 
 ROWS_SHOWN_TEXT = 10  # rows listed under each failing check of `capd test` at a terminal
+
+
+def _named_by(rule_from: str) -> str:
+    """`` (named by <capd.toml>)`` for a rule a tap asked for; nothing for a setting or the default."""
+    return "" if rule_from in ("settings", "default") else f" (named by {rule_from})"
 
 
 def _broken(service: Any) -> set[str]:
@@ -229,9 +235,10 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
         files = tap_fixture_files(tap)
         if not files:
             raise Failed(f"{tap}: no fixtures/*.jsonl to test")
-        floors = load_floors(tap, base.rule)
+        settings = for_one_tap(base, tap)
+        floors = load_floors(tap, settings.rule)
         fixtures = load_fixtures(files)
-        service = _service(Settings(**{**base.__dict__, "taps": (tap,)}))
+        service = _service(settings)
         # A row expecting a capability that failed to load is a row nothing can fire right, and the
         # tap fails tap_errors: stopping here left CI with no report (every capability has rows).
         check_names(fixtures, {*service.catalog_now().capabilities, *_broken(service)})
@@ -240,7 +247,8 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
         errors = service.catalog_now().errors  # a capability that does not load is not tested at all
         if errors:
             checks.append(Check("tap_errors", len(errors), 0, False, "<="))
-        reports.append({"tap": str(tap), "rule": base.rule, "floors": str(floors.path) if floors.path else None,
+        reports.append({"tap": str(tap), "rule": settings.rule, "rule_from": settings.rule_from,
+                        "floors": str(floors.path) if floors.path else None,
                         "floors_table": None if floors.path is None else
                         "floors" if floors.rule is None else f"floors.{floors.rule}",
                         "metrics": {k: result[k] for k in ("n", "top1", "fired_right", "fired_wrong", "null_fpr")},
@@ -261,7 +269,8 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
             elif not report["checks"]:
                 click.echo(f"  {report['floors']} sets no floors: nothing to hold the tap to")
             else:
-                click.echo(f"  rule {report['rule']}, floors from [{report['floors_table']}]"
+                click.echo(f"  rule {report['rule']}{_named_by(report['rule_from'])}, floors from "
+                           f"[{report['floors_table']}]"
                            + (" over [floors]" if report["floors_table"] != "floors" else ""))
             for check in report["checks"]:
                 mark = "ok  " if check["passed"] else "FAIL"
