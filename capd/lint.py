@@ -85,6 +85,11 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
         if ref not in defined:
             yield Problem("error", str(provider.path), f"server_refs names {ref!r}, but no [[mcp.servers]] entry "
                           "has that name", _line_of(text, "server_refs"), capability.name, "unknown-server-ref")
+    if provider.servers and not provider.server_refs:
+        yield Problem("warning", str(provider.path), "no [roles.mcp] server_refs: capd starts every server defined "
+                      "here, octomind (which reads the same tap) starts none; name them in server_refs",
+                      _line_of(text, "roles.mcp") or _server_line(text, provider.servers[0].name), capability.name,
+                      "no-server-refs")
     for name in capability.ungranted:
         yield Problem("warning", str(provider.path), f"server {name!r} is referenced, but allowed_tools grants it no "
                       "tool: it is not started (as in octomind)", _line_of(text, "allowed_tools"), capability.name,

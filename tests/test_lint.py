@@ -262,6 +262,22 @@ def test_server_entries_octomind_would_skip_are_warned_about(tmp_path: Path) -> 
     assert "'a' has no type, timeout_seconds, tools" in found[0][2] and "has no url" in found[1][2]
 
 
+def test_servers_no_server_refs_name_are_warned_about(tmp_path: Path) -> None:
+    """capd starts every server a provider defines when server_refs names none; octomind, reading the
+    same tap, starts none. The finding points at [roles.mcp], or without it at the first server's name."""
+    tap = octomind_tap(tmp_path)
+    server = '[[mcp.servers]]\nname = "a"\ntype = "stdio"\ncommand = "a"\ntimeout_seconds = 5\ntools = []\n'
+    write_capability(tap, "bare", ["start the bare server"], {"p": "# Title: bare\n\n" + server}, default="p")
+    write_capability(tap, "empty", ["start the other server"], {"p": "[roles.mcp]\nallowed_tools = []\n\n" + server},
+                     default="p")
+    code, report = _lint(str(tap))
+    found = sorted((p["capability"], p["line"]) for p in report["problems"]  # type: ignore[union-attr,index]
+                   if p["code"] == "no-server-refs")  # type: ignore[index]
+    assert code == 0 and found == [("bare", 4), ("empty", 1)]  # the server's name line, as for other server findings
+    assert not [p for p in report["problems"] if p["code"] == "no-server-refs"  # type: ignore[union-attr,index]
+                and p["capability"] == "database-postgres"]  # type: ignore[index]
+
+
 def test_a_referenced_server_no_pattern_grants_is_not_started_and_lint_says_so(tmp_path: Path) -> None:
     """It was planned with ``tools: []``, a server the agent could call nothing on; octomind drops it."""
     tap = octomind_tap(tmp_path)
