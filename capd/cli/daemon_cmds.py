@@ -54,7 +54,9 @@ def daemon_options(func: Any) -> Any:
 @click.option("--data-dir", type=PathParam(), default=None, help="Env: CAPD_DATA_DIR.")
 @click.option("--model", default=None, callback=setting_rule("model"), help="Model manifest name. Env: CAPD_MODEL.")
 @click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None)
-@click.option("--rule", type=click.Choice(RULES), default=None)
+@click.option("--rule", type=click.Choice(RULES), default=None,
+              help="Routing rule (default: CAPD_RULE, the config file, else the first tap naming one in its "
+                   "capd.toml, else capd).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--watch", type=click.Choice(WATCH_MODES), default=None,
               help="Live reload: auto (notifications), poll (scan: taps on network file systems) or off. "

@@ -53,7 +53,7 @@ class _Bar:
 @click.command()
 @settings_options
 @click.option("--rule", type=click.Choice(RULES), default=None,
-              help="The rule to prepare for (default: the settings'); fused also gets its fits.")
+              help="The rule to prepare for (default: the settings', else the taps'); fused also gets its fits.")
 @click.option("--prune", is_flag=True, help="Also drop this model's cached vectors that nothing on these taps needs "
               "(what is kept: see above).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

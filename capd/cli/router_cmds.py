@@ -214,7 +214,8 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
 @click.argument("tap_args", metavar="[TAP]...", nargs=-1, type=PathParam())
 @settings_options
 @click.option("--rule", type=click.Choice(RULES), default=None,
-              help="Routing rule (default: the settings'); floors.toml may hold floors for each.")
+              help="Routing rule (default: the settings', else the rule each tap names); floors.toml may hold floors "
+                   "for each.")
 @click.option("--junit", type=PathParam(dir_okay=False), default=None,
               help="Write JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
