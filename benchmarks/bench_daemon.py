@@ -935,7 +935,7 @@ def warm_routes(daemon: Daemon, messages: list[str]) -> None:
 
 
 def turns_only(plan: Plan) -> dict[str, Any]:
-    """``--turns``: :func:`per_turn` on the smallest tap, with the default rule and with ``fused``,
+    """``--turns``: :func:`per_turn` on the smallest tap, with the ``capd`` rule and with ``fused``,
     printed with their ratios."""
     size = plan.sizes[0]
     tap, data_dir = gen_tap.cached_tap(size, CACHE), CACHE / f"data-{size}-v{gen_tap.VERSION}"
