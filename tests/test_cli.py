@@ -333,6 +333,7 @@ def test_status_omits_line_none(serve: Serve, tmp_path: Path) -> None:
     result = _capd("status", port=serve(taps=(tap,)))
     assert result.exit_code == 0, result.output
     assert "smalltalk/config.toml: binary file" in result.stderr and "line None" not in result.stderr
+    assert "  rule=capd  " in result.stdout  # the default: no tap names one
 
 
 def test_whitespace_only_intent_finds_nothing_in_process(tmp_path: Path) -> None:

@@ -209,6 +209,11 @@ def build_settings(config: Path | None = None, **flags: Any) -> Settings:
     return settings
 
 
+def named_by(rule_from: str) -> str:
+    """`` (named by <capd.toml>)`` for a rule a tap asked for; nothing for a setting or the default."""
+    return "" if rule_from in ("settings", "default") else f" (named by {rule_from})"
+
+
 def emit_json(value: Any) -> None:
     """Print ``value`` as JSON; a float that is NaN or inf (a damaged model) prints as null, never
     as the ``NaN`` that JSON parsers reject."""

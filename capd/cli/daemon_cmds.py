@@ -22,6 +22,7 @@ from capd.cli.common import (
     connection_options,
     daemon_only,
     emit_json,
+    named_by,
     plan_lines,
     setting_rule,
     stderr,
@@ -93,7 +94,9 @@ def status(config: Path | None, host: str | None, port: int | None, uds: Path | 
     if as_json:
         emit_json(health)
     else:
-        click.echo(f"{health['status']}  ready={health['ready']}  model={health['model']}  rule={health['rule']}  "
+        click.echo(f"{health['status']}  ready={health['ready']}  model={health['model']}  "
+                   # .get: a daemon older than this client says no rule
+                   f"rule={health.get('rule', '?')}{named_by(health.get('rule_from', 'default'))}  "
                    f"capabilities={health['capabilities']}  triggers={health['triggers']}  "
                    f"embedded={health['embedded']}  cached={health['cached']}")
         tuning = health.get("tuning") or {}

@@ -19,6 +19,7 @@ from capd.cli.common import (
     connection_options,
     daemon_only,
     emit_json,
+    named_by,
     plan_lines,
     setting_rule,
     settings_options,
@@ -49,11 +50,6 @@ def _service(settings: Settings) -> Any:
 
 
 ROWS_SHOWN_TEXT = 10  # rows listed under each failing check of `capd test` at a terminal
-
-
-def _named_by(rule_from: str) -> str:
-    """`` (named by <capd.toml>)`` for a rule a tap asked for; nothing for a setting or the default."""
-    return "" if rule_from in ("settings", "default") else f" (named by {rule_from})"
 
 
 def _broken(service: Any) -> set[str]:
@@ -270,7 +266,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
             elif not report["checks"]:
                 click.echo(f"  {report['floors']} sets no floors: nothing to hold the tap to")
             else:
-                click.echo(f"  rule {report['rule']}{_named_by(report['rule_from'])}, floors from "
+                click.echo(f"  rule {report['rule']}{named_by(report['rule_from'])}, floors from "
                            f"[{report['floors_table']}]"
                            + (" over [floors]" if report["floors_table"] != "floors" else ""))
             for check in report["checks"]:
