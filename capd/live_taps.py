@@ -54,10 +54,10 @@ def _note_rule_change(state: _TapState, config: TapConfig | None) -> None:
     kept until the next one (:func:`capd.settings.tap_rule`), so the edit alone changes nothing."""
     old = state.config.rule if state.config is not None else None
     new = config.rule if config is not None else None
-    if state.loaded and new != old:
-        where = config.path if config is not None else state.config.path if state.config is not None else "capd.toml"
+    named = config or state.config  # when the rules differ, one of the two files names one
+    if state.loaded and new != old and named is not None:
         log.warning("%s: rule %s is now %s; the rule is chosen at start, so this takes effect when capd restarts "
-                    "(unless a setting names the rule)", where, old or "(none)", new or "(none)")
+                    "(unless a setting names the rule)", named.path, old or "(none)", new or "(none)")
 
 
 def _touched(targets: set[Path], real_targets: set[Path], roots: Sequence[Path],

@@ -444,8 +444,8 @@ def load_settings(
     chosen = config_path if (explicit is not None or config_path.is_file()) else None
     if "rule" in values:
         values["rule_from"] = "settings"
-    elif named := tap_rule(values.get("taps") or default_taps()):  # type: ignore[arg-type]
-        values["rule"], values["rule_from"] = named[0], str(named[1])
+    else:
+        values["rule"], values["rule_from"] = tap_rule(values.get("taps") or default_taps())  # type: ignore[arg-type]
     return Settings(**values, config_file=chosen)  # type: ignore[arg-type]
 
 
@@ -455,13 +455,14 @@ def for_one_tap(settings: Settings, tap: Path) -> Settings:
     narrowed = dataclasses.replace(settings, taps=(tap,))
     if settings.rule_from == "settings":
         return narrowed
-    rule, named = tap_rule((tap,)) or ("capd", "default")
-    return dataclasses.replace(narrowed, rule=rule, rule_from=str(named))
+    rule, named = tap_rule((tap,))
+    return dataclasses.replace(narrowed, rule=rule, rule_from=named)
 
 
-def tap_rule(taps: Iterable[Path]) -> tuple[str, Path] | None:
+def tap_rule(taps: Iterable[Path]) -> tuple[str, str]:
     """The rule a tap asks for (``rule`` in its ``capd.toml``) and the file that asks, from the first
-    tap in precedence order that names one; a setting (flag, ``CAPD_RULE``, config file) beats it.
+    tap in precedence order that names one, else capd's default (``capd``, ``"default"``); a setting
+    (flag, ``CAPD_RULE``, config file) beats it.
 
     A tap's author who has measured a rule on the tap's fixtures names it there, so that the tap
     routes with it by default: taps/core names ``fused``, which fires right on 0.833 of its fixture
@@ -473,8 +474,8 @@ def tap_rule(taps: Iterable[Path]) -> tuple[str, Path] | None:
     for tap in taps:
         config, _ = load_tap_config(tap)
         if config is not None and config.rule is not None:
-            return config.rule, config.path
-    return None
+            return config.rule, str(config.path)
+    return Settings.rule, Settings.rule_from
 
 
 def _warn_unknown_env(environ: Mapping[str, str]) -> None:
