@@ -48,7 +48,9 @@ def test_strip_tags_takes_linear_time_on_hostile_messages(message: str) -> None:
     seconds (``"<a" + 2,000 spaces`` took 25 s, 4,000 took 200 s)."""
     started = time.perf_counter()
     assert strip_tags(message) == message
-    assert time.perf_counter() - started < 0.5
+    # 0.05 s here; 0.52 s once with two suites sharing 2 cores. The regressions took 25-200 s, so a
+    # bound far above a loaded machine's time still catches them without failing on load.
+    assert time.perf_counter() - started < 5.0
 
 
 @pytest.mark.parametrize(("message", "expected"), [
