@@ -222,13 +222,16 @@ RULES = ("capd", "anchor", "fused")  # the routing rules a setting or a tap's ca
 @dataclass(frozen=True)
 class TapConfig:
     """``<tap>/capd.toml``: per-tap gate overrides written by ``capd calibrate --write``, and the rule
-    the tap's author routes it with (``rule``, written by hand; see :func:`capd.settings.tap_rule`)."""
+    the tap's author routes it with (``rule``, written by hand; see :func:`capd.settings.tap_rule`);
+    with it the tap's vetoes, ``<tap>/vetoes.jsonl`` (messages none of its capabilities may take:
+    :class:`capd.router.Vetoes`). Either file may be absent."""
 
     path: Path
     gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # anchor and capd rules
     model: str | None = None  # the model the gates were calibrated for; other models ignore them
     fused_gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # [gates.fused]
     rule: str | None = None  # the rule the tap asks for when no setting names one
+    vetoes: tuple[str, ...] = ()  # <tap>/vetoes.jsonl's messages, in file order
 
     def gates_for(self, rule: str) -> Mapping[str, float | bool]:
         return self.fused_gates if rule == "fused" else self.gates

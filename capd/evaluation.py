@@ -97,8 +97,10 @@ def embed_fixtures(router: Router, fixtures: Sequence[Fixture]) -> tuple[np.ndar
 
 
 def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None = None,
-                vectors: np.ndarray | None = None, tokens: TokenVectors | None = None) -> ScoreTable:
+                vectors: np.ndarray | None = None, tokens: TokenVectors | None = None,
+                not_own_veto: bool = False) -> ScoreTable:
     """Every fixture scored by the router's rule (``top_k`` applies to the cosine rules only).
+    ``not_own_veto``: a row is not vetoed by a veto equal to its own message (:meth:`Router.refusals`).
 
     ``vectors`` and ``tokens`` come from :func:`embed_fixtures`; ``fused`` given vectors
     without tokens embeds the messages again for them. Raises CapdError when no capability can
@@ -129,7 +131,8 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
     vetoed = None
     if len(router.vetoes) and len(names):
         winners = [names[i] for i in scores.argmax(axis=1).tolist()]
-        vetoed = np.array([r is not None for r in router.refusals(vectors, winners)], dtype=bool)
+        own = [f.message for f in fixtures] if not_own_veto else None
+        vetoed = np.array([r is not None for r in router.refusals(vectors, winners, own)], dtype=bool)
     return ScoreTable(tuple(fixtures), names, scores, routable, expected, levels, vetoed, coverage)
 
 

@@ -45,7 +45,7 @@ from capd.encoder import Encoder, TokenVectors
 from capd.errors import UnknownCapability
 from capd.gates import GateBook, Gates, gate, not_a_number, shown
 from capd.index import TriggerIndex
-from capd.text import clean_message, recall_key
+from capd.text import clean_message, recall_key, strip_tags
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +115,29 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
 # rows): a message equal to both a refused message and a trigger scored 1.0 against 0.99999994, and
 # a last-bit difference vetoed it. Float32 cosines are good to about 1e-7.
 VETO_TIE = 1e-5
+# A tap's vetoes (vetoes.jsonl) turn any of its capabilities away, so one stray line near a busy
+# capability would swallow its requests: the *second* nearest of them must be nearer the message
+# than the winner's nearest example (a message that is one of them is vetoed outright). Measured
+# with `python -m benchmarks.quality.null_veto_trial --ks 1,2,3 --core-cal` (benchmarks/quality/README.md,
+# *The tap's vetoes*): with the nearest one alone, taps/core calibrated on its calibration set at its
+# floors' limits let 6 of its 91 fixture nulls through instead of 3; with two, 3, and hwu64 gains more.
+TAP_VETO_VOTES = 2
+
+
+VetoSource = Literal["learned", "corpus", "tap"]
 
 
 @dataclass(frozen=True)
 class Vetoes:
     """Abstains that veto a winner: per capability, the messages an agent refused it for
-    (learned abstains, :mod:`capd.learned`), and the shipped abstain corpus
-    (:func:`abstain_corpus`) for the capabilities whose tap's gates turn it on.
+    (learned abstains, :mod:`capd.learned`); per tap, the messages of its ``vetoes.jsonl``, which
+    none of its capabilities may take (written by ``capd calibrate --write`` from the fixtures'
+    null rows, or by hand); and the shipped abstain corpus (:func:`abstain_corpus`) for the
+    capabilities whose tap's gates turn it on.
 
     A winner that cleared the gates is vetoed when the message is closer to one of them than
-    to the capability's nearest example: nearest-neighbour evidence that this message is like
+    to the capability's nearest example (for a tap's vetoes: when two of them are, or the message
+    is one of them; ``TAP_VETO_VOTES``): nearest-neighbour evidence that this message is like
     one that must not take it. No constant to tune, and a message equal to one of the
     capability's own triggers is never vetoed.
     """
@@ -133,6 +146,7 @@ class Vetoes:
     vectors: Mapping[str, np.ndarray] = field(default_factory=dict)  # name -> unit rows [n, dim], as texts
     corpus: tuple[str, ...] = ()
     corpus_vectors: np.ndarray | None = None  # unit rows [len(corpus), dim]
+    taps: Mapping[Path, tuple[tuple[str, ...], np.ndarray]] = field(default_factory=dict)  # tap -> (texts, rows)
 
     @classmethod
     def build(cls, refused: Mapping[str, Sequence[str]], vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
@@ -154,17 +168,33 @@ class Vetoes:
         corpus = abstain_corpus()
         return replace(self, corpus=corpus, corpus_vectors=np.asarray(vectors_of(list(corpus)), dtype=np.float32))
 
-    def candidates(self, name: str, corpus: bool) -> list[tuple[tuple[str, ...], np.ndarray, bool]]:
-        """(messages, their vectors, learned?) that can veto ``name``."""
-        out = []
+    def with_taps(self, messages: Mapping[Path, Sequence[str]],
+                  vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
+        """These vetoes with each tap's own (``vetoes.jsonl``) replaced by ``messages``; one embedding call."""
+        kept = {tap: tuple(dict.fromkeys(texts)) for tap, texts in messages.items() if texts}
+        flat = list(dict.fromkeys(t for texts in kept.values() for t in texts))
+        if not flat:
+            return replace(self, taps=MappingProxyType({}))
+        row = {text: i for i, text in enumerate(flat)}
+        matrix = np.asarray(vectors_of(flat), dtype=np.float32)
+        return replace(self, taps=MappingProxyType(
+            {tap: (texts, matrix[[row[t] for t in texts]]) for tap, texts in kept.items()}))
+
+    def candidates(self, name: str, corpus: bool, tap: Path | None = None) -> list[tuple[tuple[str, ...], np.ndarray,
+                                                                                        VetoSource]]:
+        """(messages, their vectors, where they come from) that can veto ``name`` (of ``tap``)."""
+        out: list[tuple[tuple[str, ...], np.ndarray, VetoSource]] = []
         if name in self.vectors:
-            out.append((self.texts[name], self.vectors[name], True))
+            out.append((self.texts[name], self.vectors[name], "learned"))
+        if tap is not None and tap in self.taps:
+            out.append((*self.taps[tap], "tap"))
         if corpus and self.corpus_vectors is not None:
-            out.append((self.corpus, self.corpus_vectors, False))
+            out.append((self.corpus, self.corpus_vectors, "corpus"))
         return out
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self.texts.values()) + len(self.corpus)
+        return (sum(len(t) for t in self.texts.values()) + len(self.corpus)
+                + sum(len(texts) for texts, _ in self.taps.values()))
 
 
 ABSTAIN_CORPUS = Path(__file__).with_name("abstain_corpus.txt")
@@ -180,12 +210,12 @@ def abstain_corpus() -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Refusal:
     """Why a winner is vetoed: the nearest vetoing message, its cosine, the winner's nearest
-    example's cosine, and whether the message is a learned abstain (else the abstain corpus)."""
+    example's cosine, and where the message comes from (:class:`Vetoes`)."""
 
     message: str
     similarity: float
     example: float
-    learned: bool
+    source: VetoSource
 
 
 class Router:
@@ -238,26 +268,42 @@ class Router:
         vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
         return self.head.names, self.head.score(knn, vectors, texts, tokens)
 
-    def refusals(self, vectors: np.ndarray, winners: Sequence[str]) -> list[Refusal | None]:
-        """Per message: the :class:`Refusal` that vetoes its winner (:class:`Vetoes`), else None."""
+    def refusals(self, vectors: np.ndarray, winners: Sequence[str],
+                 own: Sequence[str] | None = None) -> list[Refusal | None]:
+        """Per message: the :class:`Refusal` that vetoes its winner (:class:`Vetoes`), else None.
+        ``own`` (the messages' texts) leaves out a tap's veto equal to the message itself: ``capd
+        calibrate`` scores the fixtures' null rows that become the tap's vetoes, and a row must not
+        be turned away by its own copy (learned abstains and the corpus are not fixtures: they stay)."""
         out: list[Refusal | None] = [None] * len(winners)
         queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
+        # copies that differ in tags, case or spacing count as one message (as in capd.calibrate.split)
+        own_keys = None if own is None else [recall_key(strip_tags(m)) for m in own]
+        veto_keys: dict[int, list[str]] = {}
         for row, name in enumerate(winners):
-            candidates = self.vetoes.candidates(name, self._gates_for(name).abstain_corpus)
+            capability = self.catalog.get(name)
+            tap = capability.tap if capability is not None else None
+            candidates = self.vetoes.candidates(name, self._gates_for(name).abstain_corpus, tap)
             if not candidates:
                 continue
-            nearest = []  # per source: (cosine, message, learned?) of its message nearest to this one
-            for texts, matrix, learned in candidates:
+            nearest = []  # per source: (cosine, message, source) of its message nearest to this one
+            for texts, matrix, source in candidates:
                 sims = matrix @ queries[row]
+                if own_keys is not None and source == "tap":
+                    keys = veto_keys.setdefault(id(texts), [recall_key(strip_tags(t)) for t in texts])
+                    sims = np.where([k == own_keys[row] for k in keys], -np.inf, sims)
                 best = int(sims.argmax())
-                nearest.append((float(sims[best]), texts[best], learned))
-            similarity, message, learned = max(nearest)
+                evidence = float(sims[best])
+                if source == "tap" and evidence < 1 - VETO_TIE:  # TAP_VETO_VOTES of them must agree
+                    votes = TAP_VETO_VOTES
+                    evidence = float(np.partition(sims, -votes)[-votes]) if len(sims) >= votes else -np.inf
+                nearest.append((evidence, texts[best], source))
+            similarity, message, source = max(nearest)
             try:  # only the winner's own examples are compared, not the whole index
                 example = next((c for _, c in self.index.top_triggers(queries[row], name, 1)), -1.0)
             except UnknownCapability:  # the index moved on under a router about to be replaced
                 example = -1.0
             if similarity > example + VETO_TIE:
-                out[row] = Refusal(message, similarity, example, learned)
+                out[row] = Refusal(message, similarity, example, source)
         return out
 
     def with_abstain_corpus(self, on: bool) -> Router:
@@ -269,13 +315,23 @@ class Router:
             router.vetoes = self.vetoes.with_corpus(self.encoder.embed)
         return router
 
+    def with_tap_vetoes(self, messages: Sequence[str]) -> Router:
+        """This router with ``messages`` added to every tap's vetoes (``capd calibrate`` fits the
+        gates with the fixtures' null rows in force, as ``--write`` will leave them)."""
+        router = copy.copy(self)
+        if self.rule != "anchor" and messages:
+            every = {tap: (*self.vetoes.taps.get(tap, ((),))[0], *messages) for tap in self.catalog.taps}
+            router.vetoes = self.vetoes.with_taps(every, self.encoder.embed)
+        return router
+
     def _vetoed(self, vector: np.ndarray, name: str, score: float, margin: float,
                 candidates: tuple[tuple[str, float], ...]) -> Decision | None:
         """The abstain a veto turns an activation of ``name`` into, if any."""
         refusal = self.refusals(vector[None, :], [name])[0]
         if refusal is None:
             return None
-        who = "which an agent refused it for" if refusal.learned else "a message of capd's abstain corpus"
+        who = {"learned": "which an agent refused it for", "corpus": "a message of capd's abstain corpus",
+               "tap": "one of its tap's vetoes (vetoes.jsonl; another is closer than that example too)"}[refusal.source]
         return Decision("abstain", f"{name} vetoed: the message is closer to {refusal.message[:60]!r} "
                         f"({refusal.similarity:.2f}), {who}, than to its nearest example ({refusal.example:.2f})",
                         name, score, margin, candidates)

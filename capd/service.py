@@ -97,12 +97,13 @@ def learned_in_effect(catalog: Catalog, rule: str, store: LearnedStore | None
 
 def cached_texts(catalog: Catalog, rule: str, store: LearnedStore | None) -> set[str]:
     """Every text a service routing ``catalog`` under ``rule`` may embed through the vector cache
-    (:meth:`Service._publish`): the examples it indexes, the learned abstains that veto, and the
-    abstain corpus (whether it is used depends on gates). ``capd index --prune`` keeps their vectors, so a text embedded
-    there must be listed here (``tests/test_cli.py``: a restart after a prune embeds nothing)."""
+    (:meth:`Service._publish`): the examples it indexes, the learned abstains and the taps' vetoes,
+    and the abstain corpus (whether it is used depends on gates). ``capd index --prune`` keeps their vectors, so a text
+    embedded there must be listed here (``tests/test_cli.py``: a restart after a prune embeds nothing)."""
     learned, refused = learned_in_effect(catalog, rule, store)
     texts = {t for capability in example_catalog(catalog, rule, learned) for t in capability.triggers}
     texts.update(message for messages in refused.values() for message in messages)
+    texts.update(message for config in catalog.tap_configs.values() for message in config.vetoes)
     texts.update(abstain_corpus())
     return texts
 
@@ -347,6 +348,7 @@ class Service:
         gates = self.fits.gatebook(catalog, manifest, gate_model)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
+        vetoes = vetoes.with_taps({tap: config.vetoes for tap, config in catalog.tap_configs.items()}, vectors_of)
         recalled = self.learned.recalls(catalog, learned, refused) if self.learned is not None and learned else {}
         router = Router(self.encoder, self.index, catalog, gates, rule=rule,
                         min_chars=self.settings.min_chars, head=head, vetoes=vetoes, recalled=recalled)

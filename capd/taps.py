@@ -31,6 +31,7 @@ import re
 import stat
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -38,12 +39,14 @@ from typing import Any
 from capd import toml_read
 from capd.catalog import RULES, Capability, Catalog, Problem, Provider, ServerSpec, TapConfig, fingerprint
 from capd.errors import TapFileError
+from capd.fixtures import read_fixture_file
 
 log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1 << 20
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 TAP_CONFIG = "capd.toml"
+TAP_VETOES = "vetoes.jsonl"  # messages none of the tap's capabilities may take (TapConfig.vetoes)
 GATE_KEYS = ("threshold", "margin", "top_k")
 TAP_CONFIG_KEYS = ("model", "gates", "rule")  # what capd reads at the top level of a tap's capd.toml
 SWITCH = "abstain_corpus"  # a gate table's on/off key: veto with the shipped abstain corpus (capd/router.py)
@@ -437,14 +440,36 @@ def load_capability(tap: Path, directory: Path,
 
 
 def load_tap_config(tap: Path) -> tuple[TapConfig | None, list[Problem]]:
+    """``<tap>/capd.toml`` and ``<tap>/vetoes.jsonl`` (None when neither is there, or when capd.toml
+    is broken: the daemon then keeps the last good one). A vetoes line that cannot be used is
+    reported on its line and skipped; the other lines stay in force."""
     path = tap / TAP_CONFIG
+    vetoes, problems = load_tap_vetoes(tap)
     if not os.path.lexists(path):  # a link to nothing is an error to report, not a missing file
-        return None, []
+        found = os.path.lexists(tap / TAP_VETOES)
+        return (TapConfig(path=path, vetoes=vetoes) if found else None), problems
     try:
         table, text, _ = parse_toml(path, tap)
-        return tap_config(path, table, text), []
+        return replace(tap_config(path, table, text), vetoes=vetoes), problems
     except TapFileError as exc:
-        return None, [Problem("error", str(exc.path), exc.reason, exc.line, code="invalid")]
+        return None, [Problem("error", str(exc.path), exc.reason, exc.line, code="invalid"), *problems]
+
+
+def load_tap_vetoes(tap: Path) -> tuple[tuple[str, ...], list[Problem]]:
+    """The messages of ``<tap>/vetoes.jsonl`` (fixture rows that expect nothing, as ``capd calibrate
+    --write`` writes them from the fixtures' null rows), and a problem per line that cannot be used."""
+    path = tap / TAP_VETOES
+    if not os.path.lexists(path):
+        return (), []
+    rows, errors = read_fixture_file(path)
+    problems = [Problem("error", str(e.path), f"{e.reason}; this line vetoes nothing", e.line, code="invalid-veto")
+                for e in errors if rows or e.line is not None]  # a file of comments only is no error
+    for row in rows:
+        if row.positive:
+            line = int(row.source.rsplit(":", 1)[1])
+            problems.append(Problem("error", str(path), "a veto expects nothing (\"expect\": null), not "
+                                    f"{', '.join(row.expect)}; this line vetoes nothing", line, code="invalid-veto"))
+    return tuple(r.message for r in rows if not r.positive), problems
 
 
 def tap_config(path: Path, table: Mapping[str, Any], text: str) -> TapConfig:

@@ -463,12 +463,13 @@ def _deploy_and_database(tap: Path) -> Path:
 
 def test_index_prune_keeps_every_vector_a_daemon_on_the_taps_uses(tmp_path: Path) -> None:
     """--prune kept only the taps' triggers: a daemon's other texts (the fused rule's descriptions and
-    names, learned corrections, the abstain corpus) were deleted and embedded again at its next start.
+    names, learned corrections, the taps' vetoes, the abstain corpus) were deleted and embedded again at its next start.
     The daemon here routes with ``fused``, ``capd index`` runs with the default rule (--rule can differ)."""
     tap, data = _deploy_and_database(tmp_path / "tap"), tmp_path / "data"
     with closing(LearnedStore.open(data)) as learned:
         learned.record(tap, "deploy", "push the build live")
         learned.record(tap, "database-admin", "thanks, that is all", kind="abstain")
+    (tap / "vetoes.jsonl").write_text('{"message": "what a lovely afternoon", "expect": null}\n')
     settings = Settings(taps=(tap,), model="hash", data_dir=data, rule="fused", abstain_corpus=True)
 
     def start() -> int:
@@ -479,7 +480,7 @@ def test_index_prune_keeps_every_vector_a_daemon_on_the_taps_uses(tmp_path: Path
     assert start() == 8  # 4 triggers, a description, 2 names, a learned trigger (the index's count)
     used = _cached_hashes(data)
     assert {text_hash(t) for t in ("database admin", "push the build live", "thanks, that is all",
-                                   abstain_corpus()[0])} <= used
+                                   "what a lovely afternoon", abstain_corpus()[0])} <= used
     encoder = HashEncoder()
     with closing(VectorCache.open(data)) as cache:
         cache.put_many(encoder.model_id, [(text_hash("a trigger since removed"), np.ones(encoder.dim))])

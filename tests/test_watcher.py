@@ -122,6 +122,24 @@ def test_retargeting_a_link_in_the_middle_of_a_chain_reloads_what_ends_there(tmp
     assert catalog.capabilities["notes"].triggers == ("release v2 notes",)
 
 
+def test_an_edit_of_the_taps_vetoes_alone_reloads_them(tmp_path: Path) -> None:
+    """vetoes.jsonl is neither a .toml nor a folder: the watcher's filter let it by all the same, and
+    a bad line shows in health on its line while the good ones are in force."""
+    service, tap = _service(tmp_path)
+    watcher = TapWatcher(service)
+    vetoes = tap / "vetoes.jsonl"
+    vetoes.write_text('{"message": "tell me a joke", "expect": null}\n{oops\n')
+    assert watcher.apply_changes([vetoes]) != {}
+    assert service.router.vetoes.taps[tap][0] == ("tell me a joke",)
+    (error,) = service.health()["errors"]
+    assert error["file"] == str(vetoes) and error["line"] == 2 and "vetoes nothing" in error["reason"]
+    vetoes.unlink()
+    watcher.apply_changes([vetoes])
+    assert tap not in service.router.vetoes.taps and service.health()["errors"] == []
+    (tap / "notes.jsonl").write_text("{}\n")
+    assert watcher.apply_changes([tap / "notes.jsonl"]) == {}  # other files of the tap still reload nothing
+
+
 def test_a_broken_capd_toml_keeps_the_last_good_gates(tmp_path: Path) -> None:
     service, tap = _service(tmp_path)
     watcher = TapWatcher(service)

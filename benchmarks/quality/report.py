@@ -94,6 +94,12 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
                              r["calibrated_no_coverage"]["held_out"]))
             lines.append(row(f"{rule}, calibrated without the coverage gate", g, "fit (tuned on)",
                              r["calibrated_no_coverage"]["fit"]))
+        if "calibrated_no_vetoes" in r:
+            g = gates_text(r["calibrated_no_vetoes"]["gates"], rule)
+            lines.append(row(f"{rule}, calibrated without the tap's vetoes", g, "held-out",
+                             r["calibrated_no_vetoes"]["held_out"]))
+            lines.append(row(f"{rule}, calibrated without the tap's vetoes", g, "fit (tuned on)",
+                             r["calibrated_no_vetoes"]["fit"]))
         if "all_rows" in r:
             lines.append(row(f"{rule}, best within limits on all rows", gates_text(r["all_rows"]["gates"], rule),
                              "all rows (tuned on: ceiling)", r["all_rows"]["all"]))
@@ -281,6 +287,26 @@ def coverage_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def veto_lines(result: dict[str, Any]) -> list[str]:
+    """The tap's vetoes' contribution: calibrated without → with the fit part's null rows as vetoes."""
+    lines = ["`capd calibrate` fits the gates with the fit part's null rows as the tap's vetoes (`--write` stores "
+             "them in `<tap>/vetoes.jsonl`): a winner is turned away when the message is nearer one of them than "
+             "to the winner's nearest example, and no row is vetoed by its own copy. Without → with them, same "
+             "calibration otherwise; held-out fired_right / fired_wrong / null_fpr, and fit fired_right (tuned on).",
+             "", "| set | rule | vetoes | held-out without | held-out with | fit fired_right without → with |",
+             "|---|---|---|---|---|---|"]
+    for name, data in result["sets"].items():
+        for rule in (*RULES, *TUNED):
+            r = data["rules"].get(rule, {})
+            if "calibrated" not in r or "calibrated_no_vetoes" not in r:
+                continue
+            before, after = r["calibrated_no_vetoes"], r["calibrated"]
+            lines.append(f"| {name} | {rule} | {r['vetoes']} | {rates_cell(before['held_out'])} | "
+                         f"{rates_cell(after['held_out'])} | {fmt(before['fit']['fired_right'])} → "
+                         f"{fmt(after['fit']['fired_right'])} |")
+    return [*lines, ""]
+
+
 def render(result: dict[str, Any], out: Path) -> str:
     lines = [
         "# Routing quality", "",
@@ -300,6 +326,7 @@ def render(result: dict[str, Any], out: Path) -> str:
         f"{GOAL['null_fpr']} and fired_wrong ≤ {GOAL['fired_wrong']}; ✓/✗ mark the *after* value. One held-out "
         "null is 1/n of null_fpr, so small sets move in large steps.", "",
         *summary_lines(result), "",
+        "## The tap's vetoes: calibrated without → with the fit part's null rows", "", *veto_lines(result),
         "## The coverage gate: fused calibrated without → with it", "", *coverage_lines(result),
         "## Tuned model: before (anchor, calibrated) → after (fused + tuned, calibrated), held-out", "",
         *tuned_lines(result),

@@ -48,7 +48,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from capd.calibrate import Point, fit_gates, grid_for, score_variants, split
+from capd.calibrate import Point, fit_gates, fit_vetoes, grid_for, score_variants, split
 from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
@@ -264,9 +264,13 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
     """Default, calibrated (fit → held-out) and all-rows gates for the service's rule."""
     router = service.router
     grid = grid_for(router.rule)
-    variants = score_variants(router, fixtures, vectors, tokens, grid)
-    tables = variants[False]  # the service's own scoring: no bench service turns the corpus on
+    plain = score_variants(router, fixtures, vectors, tokens, grid)  # as the tap routes before calibration
+    tables = plain[False]  # the service's own scoring: no bench service turns the corpus on
     fit_rows, held_rows = split(fixtures)
+    # what `capd calibrate` fits with: the fit part's null rows as the tap's vetoes (none for anchor)
+    veto_rows = [f.message for f in fit_vetoes(fixtures, router.rule)]
+    variants = (score_variants(router.with_tap_vetoes(veto_rows), fixtures, vectors, tokens, grid) if veto_rows
+                else plain)
     out: dict[str, Any] = {
         "capabilities": len(router.catalog), "examples": router.index.trigger_count,
         "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows, Gates(
@@ -292,14 +296,21 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
         out["calibrated"] = {"gates": calibrated.as_dict(),
                              "held_out": gated(table, held_rows, calibrated),
                              "fit": gated(table, fit_rows, calibrated)}
+    out["vetoes"] = len(veto_rows)
+    if veto_rows:  # the vetoes' contribution: the same calibration without them
+        alone = fit_gates(plain, fit_rows, grid=grid, **LIMITS)
+        if (point := alone.point) is not None:
+            table = alone.tables[point.top_k]
+            out["calibrated_no_vetoes"] = {"gates": point.as_dict(), "held_out": gated(table, held_rows, point),
+                                           "fit": gated(table, fit_rows, point)}
     if router.rule == "fused":  # the coverage gate's contribution: the same calibration without its axis
-        plain = fit_gates(variants, fit_rows, grid=dataclasses.replace(grid, coverages=np.zeros(1)), **LIMITS)
-        if (point := plain.point) is not None:
-            table = plain.tables[point.top_k]
+        no_axis = fit_gates(variants, fit_rows, grid=dataclasses.replace(grid, coverages=np.zeros(1)), **LIMITS)
+        if (point := no_axis.point) is not None:
+            table = no_axis.tables[point.top_k]
             out["calibrated_no_coverage"] = {"gates": point.as_dict(),
                                              "held_out": gated(table, held_rows, point),
                                              "fit": gated(table, fit_rows, point)}
-    everything = fit_gates(variants, np.arange(len(fixtures)), grid=grid, **LIMITS)
+    everything = fit_gates(plain, np.arange(len(fixtures)), grid=grid, **LIMITS)  # the ceiling, as before
     if (ceiling := everything.point) is not None:
         out["all_rows"] = {"gates": ceiling.as_dict(),
                            "all": gated(everything.tables[ceiling.top_k], None, ceiling)}
@@ -416,7 +427,8 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = Tr
             result["timing"][rule] = timing(bench, service, fixtures, vectors)
         finally:
             service.close()
-    calibrated = result["rules"]["fused"].get("calibrated")
+    # the loop learns its own vetoes from traffic, so it starts from gates fitted without the fixtures' ones
+    calibrated = result["rules"]["fused"].get("calibrated_no_vetoes") or result["rules"]["fused"].get("calibrated")
     if with_feedback and vectors is not None and calibrated is not None:
         print(f"   feedback loop on {evalset.name}", flush=True)
         result["feedback"] = feedback(bench, evalset, fixtures, vectors, Point(**calibrated["gates"]))
@@ -433,7 +445,8 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = Tr
             result["tuning"] = {**service.tuning.as_dict(), "trained": tuning_summary(service)}
         finally:
             service.close()
-    calibrated = result["rules"].get("fused+tuned", {}).get("calibrated")
+    tuned_rule = result["rules"].get("fused+tuned", {})
+    calibrated = tuned_rule.get("calibrated_no_vetoes") or tuned_rule.get("calibrated")
     if with_feedback and calibrated is not None:
         print(f"   feedback loop on {evalset.name} with the tuned model", flush=True)
         result["feedback_tuned"] = feedback(bench, evalset, fixtures, None, Point(**calibrated["gates"]), tuned=True)

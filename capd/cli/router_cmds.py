@@ -290,16 +290,19 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
 @_eval_options
 @click.option("--max-null-fpr", default=0.05, show_default=True, callback=share, help="Highest null_fpr allowed.")
 @click.option("--max-wrong", default=0.03, show_default=True, callback=share, help="Highest fired_wrong allowed.")
-@click.option("--write", is_flag=True, help="Store the recommended gates in <tap>/capd.toml (each --tap given).")
+@click.option("--write", is_flag=True, help="Store the recommended gates in <tap>/capd.toml and the fit part's "
+              "null rows in <tap>/vetoes.jsonl (each --tap given).")
+@click.option("--no-vetoes", is_flag=True, help="Fit the gates without the fit part's null rows as vetoes "
+              "(and write no vetoes.jsonl).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
               backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, max_null_fpr: float,
-              max_wrong: float, write: bool, as_json: bool) -> None:
+              max_wrong: float, write: bool, no_vetoes: bool, as_json: bool) -> None:
     """Sweep the gates, recommend the point with most fired_right within the limits.
 
     Example: capd calibrate --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --write
     """
-    from capd.calibrate import CORPUS_MIN_GAIN, NO_NULLS, gates_edit
+    from capd.calibrate import CORPUS_MIN_GAIN, NO_NULLS, fit_vetoes, gates_edit, vetoes_edit, write_vetoes
     from capd.calibrate import calibrate as run_calibration
     from capd.fixtures import check_names, load_fixtures
 
@@ -309,13 +312,16 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
     check_names(fixtures, service.catalog_now().capabilities, _broken(service))
-    report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.fit_auto_gates())
+    report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.fit_auto_gates(),
+                             vetoes=not no_vetoes)
     point = report["recommended"]
     refused = write and point is not None and NO_NULLS in report["warnings"]
     if write:  # every edit made and checked before any file is written
         edits = [] if point is None or refused else [gates_edit(Path(t), point, service.gate_model, settings.rule)
                                                      for t in settings.taps]
-        report["written"] = [str(edit.write()) for edit in edits]
+        rows = fit_vetoes(fixtures, settings.rule) if edits and not no_vetoes else []
+        vetoes = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
+        report["written"] = [str(edit.write()) for edit in edits] + [str(write_vetoes(e)) for e in vetoes]
     if not as_json:
         for warning in report.get("warnings", []):
             click.echo(f"warning: {warning}", err=True)
@@ -342,6 +348,8 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
             if report["rule"] != "anchor":  # the anchor's rule has no vetoes
                 click.echo(f"  fit fired_right without the abstain corpus {_fmt(tried['without'])}, "
                            f"with it {_fmt(tried['with'])} (kept when it adds {CORPUS_MIN_GAIN} or more)")
+                click.echo(f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
+                           + (" (--write adds them to vetoes.jsonl)" if report["vetoes"] else ""))
             for label in ("fit", "held_out"):
                 m = report[label]
                 click.echo(f"  {label:<9} fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}"
