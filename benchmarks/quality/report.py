@@ -290,8 +290,8 @@ def coverage_lines(result: dict[str, Any]) -> list[str]:
 def veto_lines(result: dict[str, Any]) -> list[str]:
     """The tap's vetoes' contribution: calibrated without → with the fit part's null rows as vetoes."""
     lines = ["`capd calibrate` fits the gates with the fit part's null rows as the tap's vetoes (`--write` stores "
-             "them in `<tap>/vetoes.jsonl`): a winner is turned away when the message is nearer one of them than "
-             "to the winner's nearest example, and no row is vetoed by its own copy. Without → with them, same "
+             "them in `<tap>/vetoes.jsonl`): a winner is turned away when two of them are nearer the message than "
+             "the winner's nearest example, and no row is vetoed by its own copy. Without → with them, same "
              "calibration otherwise; held-out fired_right / fired_wrong / null_fpr, and fit fired_right (tuned on).",
              "", "| set | rule | vetoes | held-out without | held-out with | fit fired_right without → with |",
              "|---|---|---|---|---|---|"]
