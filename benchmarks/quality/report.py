@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,18 +89,12 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
             lines.append(row(f"{rule}, calibrated on fit part", g, "fit (tuned on)", r["calibrated"]["fit"]))
         else:
             lines.append(f"| {rule}, calibrated | no gates within the limits on the fit part | | | | | | |")
-        if "calibrated_no_coverage" in r:
-            g = gates_text(r["calibrated_no_coverage"]["gates"], rule)
-            lines.append(row(f"{rule}, calibrated without the coverage gate", g, "held-out",
-                             r["calibrated_no_coverage"]["held_out"]))
-            lines.append(row(f"{rule}, calibrated without the coverage gate", g, "fit (tuned on)",
-                             r["calibrated_no_coverage"]["fit"]))
-        if "calibrated_no_vetoes" in r:
-            g = gates_text(r["calibrated_no_vetoes"]["gates"], rule)
-            lines.append(row(f"{rule}, calibrated without the tap's vetoes", g, "held-out",
-                             r["calibrated_no_vetoes"]["held_out"]))
-            lines.append(row(f"{rule}, calibrated without the tap's vetoes", g, "fit (tuned on)",
-                             r["calibrated_no_vetoes"]["fit"]))
+        ablations = (("calibrated_no_coverage", "the coverage gate"), ("calibrated_no_vetoes", "the tap's vetoes"))
+        for key, part in ablations:
+            if key in r:
+                g = gates_text(r[key]["gates"], rule)
+                lines.append(row(f"{rule}, calibrated without {part}", g, "held-out", r[key]["held_out"]))
+                lines.append(row(f"{rule}, calibrated without {part}", g, "fit (tuned on)", r[key]["fit"]))
         if "all_rows" in r:
             lines.append(row(f"{rule}, best within limits on all rows", gates_text(r["all_rows"]["gates"], rule),
                              "all rows (tuned on: ceiling)", r["all_rows"]["all"]))
@@ -267,6 +262,17 @@ def no_fixture_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def without_with(result: dict[str, Any], without: str,
+                 rules: Sequence[str]) -> Iterator[tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """(set, rule, its results, calibrated without a part, calibrated with it) for every set and rule
+    that has both: one part's contribution."""
+    for name, data in result["sets"].items():
+        for rule in rules:
+            r = data["rules"].get(rule, {})
+            if "calibrated" in r and without in r:
+                yield name, rule, r, r[without], r["calibrated"]
+
+
 def coverage_lines(result: dict[str, Any]) -> list[str]:
     """The coverage gate's contribution: fused calibrated without it → with it (capd calibrate's choice)."""
     lines = ["`capd calibrate` for the fused rule sweeps a third gate, coverage (`capd/fused.py`: the mean, over "
@@ -275,15 +281,10 @@ def coverage_lines(result: dict[str, Any]) -> list[str]:
              "fit fired_right (tuned on).", "",
              "| set | rule | held-out without | held-out with | coverage chosen | fit fired_right without → with |",
              "|---|---|---|---|---|---|"]
-    for name, data in result["sets"].items():
-        for rule in ("fused", "fused+tuned"):
-            r = data["rules"].get(rule, {})
-            if "calibrated" not in r or "calibrated_no_coverage" not in r:
-                continue
-            before, after = r["calibrated_no_coverage"], r["calibrated"]
-            lines.append(f"| {name} | {rule} | {rates_cell(before['held_out'])} | {rates_cell(after['held_out'])} | "
-                         f"{after['gates'].get('coverage', 0):g} | {fmt(before['fit']['fired_right'])} → "
-                         f"{fmt(after['fit']['fired_right'])} |")
+    for name, rule, _, before, after in without_with(result, "calibrated_no_coverage", ("fused", "fused+tuned")):
+        lines.append(f"| {name} | {rule} | {rates_cell(before['held_out'])} | {rates_cell(after['held_out'])} | "
+                     f"{after['gates'].get('coverage', 0):g} | {fmt(before['fit']['fired_right'])} → "
+                     f"{fmt(after['fit']['fired_right'])} |")
     return [*lines, ""]
 
 
@@ -295,15 +296,10 @@ def veto_lines(result: dict[str, Any]) -> list[str]:
              "calibration otherwise; held-out fired_right / fired_wrong / null_fpr, and fit fired_right (tuned on).",
              "", "| set | rule | vetoes | held-out without | held-out with | fit fired_right without → with |",
              "|---|---|---|---|---|---|"]
-    for name, data in result["sets"].items():
-        for rule in (*RULES, *TUNED):
-            r = data["rules"].get(rule, {})
-            if "calibrated" not in r or "calibrated_no_vetoes" not in r:
-                continue
-            before, after = r["calibrated_no_vetoes"], r["calibrated"]
-            lines.append(f"| {name} | {rule} | {r['vetoes']} | {rates_cell(before['held_out'])} | "
-                         f"{rates_cell(after['held_out'])} | {fmt(before['fit']['fired_right'])} → "
-                         f"{fmt(after['fit']['fired_right'])} |")
+    for name, rule, r, before, after in without_with(result, "calibrated_no_vetoes", (*RULES, *TUNED)):
+        lines.append(f"| {name} | {rule} | {r['vetoes']} | {rates_cell(before['held_out'])} | "
+                     f"{rates_cell(after['held_out'])} | {fmt(before['fit']['fired_right'])} → "
+                     f"{fmt(after['fit']['fired_right'])} |")
     return [*lines, ""]
 
 
