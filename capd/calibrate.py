@@ -58,7 +58,7 @@ from capd.errors import TapFileError
 from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
 from capd.fixtures import Fixture, read_fixture_file
 from capd.router import Router
-from capd.taps import GATE_KEYS, SWITCH, TAP_VETOES, tap_config
+from capd.taps import GATE_KEYS, SWITCH, TAP_VETOES, read_tap_file, tap_config
 from capd.text import recall_key, strip_tags
 from capd.toml_edit import KeyPath, render_key
 
@@ -356,14 +356,17 @@ VETOES_HEADER = """\
 def vetoes_edit(tap: Path, rows: Sequence[Fixture]) -> tuple[Path, str] | None:
     """``<tap>/vetoes.jsonl`` with the ``rows`` it lacks appended (None: it has them all). What is
     there stays byte for byte: lines are only added, never changed or reordered."""
-    path = tap / TAP_VETOES
-    old = ""
+    path = _writable(tap, TAP_VETOES)
+    old, have = "", set()
     if os.path.lexists(path):
         try:
-            old = path.read_bytes().decode("utf-8")  # a BOM stays (read_fixture_file skips it)
-        except (OSError, UnicodeDecodeError) as exc:
-            raise TapFileError(path, f"cannot read it to add the vetoes: {exc}; nothing was changed") from None
-    have = {f.message for f in read_fixture_file(path)[0]} if old else set()
+            data = read_tap_file(path, tap)
+            old = data.decode("utf-8")  # a BOM stays (read_fixture_file skips it)
+        except TapFileError as exc:
+            raise TapFileError(path, f"{exc.reason}; no veto was added") from None
+        except UnicodeDecodeError as exc:
+            raise TapFileError(path, f"not UTF-8 text ({exc.reason}); no veto was added") from None
+        have = {f.message for f in read_fixture_file(path, data)[0]}
     new = [row for row in rows if row.message not in have]
     if not new:
         return None
@@ -405,7 +408,7 @@ def gates_edit(tap: Path, point: dict[str, Any], model: str, rule: str = "capd")
     table, an array of tables, a value over several lines) or when the read-back is not exactly
     the intended gates with every other key unchanged.
     """
-    path = _writable_config(tap)
+    path = _writable(tap)
     text, old = _NEW_FILE, {}
     if path.exists():
         try:
@@ -454,11 +457,11 @@ def _line_now(path: Path, table: dict[str, Any], text: str, reason: str) -> int 
     return None
 
 
-def _writable_config(tap: Path) -> Path:
-    """The file ``--write`` edits: ``<tap>/capd.toml``, or the file it links to inside the tap (a
+def _writable(tap: Path, name: str = "capd.toml") -> Path:
+    """The file ``--write`` edits: ``<tap>/<name>``, or the file it links to inside the tap (a
     rename over the link would replace the link with a plain file and leave its target stale). A link
     out of the tap is refused, as the tap loader refuses to read through one."""
-    path = tap / "capd.toml"
+    path = tap / name
     if not path.is_symlink():
         return path
     try:

@@ -88,12 +88,14 @@ def load_fixtures(paths: Iterable[Path]) -> list[Fixture]:
     return rows
 
 
-def read_fixture_file(path: Path) -> tuple[list[Fixture], list[FixtureError]]:
-    """The rows of one fixture file and every line's error (``capd lint`` lists them all)."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        return [], [FixtureError(path, f"cannot read: {exc.strerror or exc}")]
+def read_fixture_file(path: Path, data: bytes | None = None) -> tuple[list[Fixture], list[FixtureError]]:
+    """The rows of one fixture file (``data``: its bytes, already read) and every line's error
+    (``capd lint`` lists them all)."""
+    if data is None:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            return [], [FixtureError(path, f"cannot read: {exc.strerror or exc}")]
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

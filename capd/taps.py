@@ -461,7 +461,11 @@ def load_tap_vetoes(tap: Path) -> tuple[tuple[str, ...], list[Problem]]:
     path = tap / TAP_VETOES
     if not os.path.lexists(path):
         return (), []
-    rows, errors = read_fixture_file(path)
+    try:  # the guards of every tap file: no link out of the tap, no pipe to block on, a size limit
+        data = read_tap_file(path, tap)
+    except TapFileError as exc:
+        return (), [Problem("error", str(exc.path), f"{exc.reason}; the tap has no vetoes", code="invalid-veto")]
+    rows, errors = read_fixture_file(path, data)
     problems = [Problem("error", str(e.path), f"{e.reason}; this line vetoes nothing", e.line, code="invalid-veto")
                 for e in errors if rows or e.line is not None]  # a file of comments only is no error
     for row in rows:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from contextlib import closing
 from pathlib import Path
@@ -49,6 +50,21 @@ def test_vetoes_load_with_the_tap_and_a_bad_line_names_itself(tmp_path: Path) ->
     (tap / "capd.toml").write_text("[gates\n")  # a broken capd.toml: the daemon keeps its last good config
     config, problems = load_tap_config(tap)
     assert config is None and problems[0].code == "invalid"
+
+
+def test_vetoes_through_a_link_out_of_the_tap_or_from_a_pipe_are_refused(tmp_path: Path) -> None:
+    """The guards of every tap file: a pipe named vetoes.jsonl would have blocked the loader (and the
+    daemon) for good, and a link out of the tap would have read a file the tap does not hold."""
+    tap = octomind_tap(tmp_path / "tap")
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_text(_rows("tell me a joke"))
+    (tap / "vetoes.jsonl").symlink_to(outside)
+    config, (problem,) = load_tap_config(tap)
+    assert config is not None and config.vetoes == () and "outside the tap" in problem.reason
+    (tap / "vetoes.jsonl").unlink()
+    os.mkfifo(tap / "vetoes.jsonl")
+    config, (problem,) = load_tap_config(tap)
+    assert config is not None and config.vetoes == () and "not a regular file" in problem.reason
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +150,12 @@ def test_calibrate_write_appends_the_fit_nulls_and_keeps_what_is_there(tmp_path:
     assert load_tap_config(tap)[0].vetoes == ("never route this one", *fit_nulls)  # type: ignore[union-attr]
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0 and (tap / "vetoes.jsonl").read_bytes() == written  # nothing twice
+    (tap / "conf").mkdir()  # a vetoes.jsonl linking to a file in the tap is edited there, the link kept
+    (tap / "vetoes.jsonl").rename(tap / "conf" / "vetoes.jsonl")
+    (tap / "vetoes.jsonl").symlink_to(Path("conf") / "vetoes.jsonl")
+    (tap / "conf" / "vetoes.jsonl").write_bytes(mine.encode())
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert (tap / "vetoes.jsonl").is_symlink() and (tap / "conf" / "vetoes.jsonl").read_bytes() == written
     other = octomind_tap(tmp_path / "other")
     result = CliRunner().invoke(main, [*args[:2], str(other), *args[3:], "--no-vetoes"])
     assert result.exit_code == 0 and not (other / "vetoes.jsonl").exists() and (other / "capd.toml").exists()
