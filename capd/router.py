@@ -278,7 +278,13 @@ class Router:
         queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
         # copies that differ in tags, case or spacing count as one message (as in capd.calibrate.split)
         own_keys = None if own is None else [recall_key(strip_tags(m)) for m in own]
-        veto_keys: dict[int, list[str]] = {}
+        key_of: dict[str, str] = {}  # veto text -> its key, computed once per call
+
+        def key(text: str) -> str:
+            if text not in key_of:
+                key_of[text] = recall_key(strip_tags(text))
+            return key_of[text]
+
         for row, name in enumerate(winners):
             capability = self.catalog.get(name)
             tap = capability.tap if capability is not None else None
@@ -289,8 +295,7 @@ class Router:
             for texts, matrix, source in candidates:
                 sims = matrix @ queries[row]
                 if own_keys is not None and source == "tap":
-                    keys = veto_keys.setdefault(id(texts), [recall_key(strip_tags(t)) for t in texts])
-                    sims = np.where([k == own_keys[row] for k in keys], -np.inf, sims)
+                    sims = np.where([key(t) == own_keys[row] for t in texts], -np.inf, sims)
                 best = int(sims.argmax())
                 evidence = float(sims[best])
                 if source == "tap" and evidence < 1 - VETO_TIE:  # TAP_VETO_VOTES of them must agree
@@ -320,8 +325,9 @@ class Router:
         gates with the fixtures' null rows in force, as ``--write`` will leave them)."""
         router = copy.copy(self)
         if self.rule != "anchor" and messages:
-            every = {tap: (*self.vetoes.taps.get(tap, ((),))[0], *messages) for tap in self.catalog.taps}
-            router.vetoes = self.vetoes.with_taps(every, self.encoder.embed)
+            own = {tap: texts for tap, (texts, _) in self.vetoes.taps.items()}  # vetoes.jsonl's, kept
+            every = {tap: (*own.get(tap, ()), *messages) for tap in self.catalog.taps}
+            router.vetoes = self.vetoes.with_taps(every, self.encoder.embed)  # de-duplicates, as for the files
         return router
 
     def _vetoed(self, vector: np.ndarray, name: str, score: float, margin: float,
@@ -331,7 +337,8 @@ class Router:
         if refusal is None:
             return None
         who = {"learned": "which an agent refused it for", "corpus": "a message of capd's abstain corpus",
-               "tap": "one of its tap's vetoes (vetoes.jsonl; another is closer than that example too)"}[refusal.source]
+               "tap": "one of its tap's vetoes (vetoes.jsonl; unless it is one of them, the cosine shown is the "
+                      "second nearest veto's: two must be closer)"}[refusal.source]
         return Decision("abstain", f"{name} vetoed: the message is closer to {refusal.message[:60]!r} "
                         f"({refusal.similarity:.2f}), {who}, than to its nearest example ({refusal.example:.2f})",
                         name, score, margin, candidates)
