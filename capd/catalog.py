@@ -232,6 +232,8 @@ class TapConfig:
     fused_gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # [gates.fused]
     rule: str | None = None  # the rule the tap asks for when no setting names one
     vetoes: tuple[str, ...] = ()  # <tap>/vetoes.jsonl's messages, in file order
+    # [gates.fused.offsets]: capability name -> what `capd calibrate` adds to its fused score
+    offsets: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     def gates_for(self, rule: str) -> Mapping[str, float | bool]:
         return self.fused_gates if rule == "fused" else self.gates

@@ -98,9 +98,12 @@ def embed_fixtures(router: Router, fixtures: Sequence[Fixture]) -> tuple[np.ndar
 
 def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None = None,
                 vectors: np.ndarray | None = None, tokens: TokenVectors | None = None,
-                not_own_veto: bool = False) -> ScoreTable:
+                not_own_veto: bool = False, offsets: np.ndarray | None = None) -> ScoreTable:
     """Every fixture scored by the router's rule (``top_k`` applies to the cosine rules only).
     ``not_own_veto``: a row is not vetoed by a veto equal to its own message (:meth:`Router.refusals`).
+    ``offsets`` (``fused``; ``[rows, capabilities]``, in the router's column order) are added to
+    each row's scores before its winner is taken: ``capd calibrate`` scores each fit row with
+    offsets fitted without it (:class:`capd.calibrate.OffsetFit`).
 
     ``vectors`` and ``tokens`` come from :func:`embed_fixtures`; ``fused`` given vectors
     without tokens embeds the messages again for them. Raises CapdError when no capability can
@@ -117,6 +120,9 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
             tokens = router.encoder.embed_tokens(texts)[1]
         names, fused_scores = router.fused_scores(vectors, texts, tokens)
         scores, levels, coverage = fused_scores.fused, fused_scores.level, fused_scores.winner_coverage
+        if offsets is not None:
+            scores = scores + offsets
+            coverage = fused_scores.coverage[np.arange(len(fixtures)), scores.argmax(axis=1)]
     else:
         names, scores = router.index.named_scores(vectors, top_k or router.top_k)
     position = {n: i for i, n in enumerate(names)}

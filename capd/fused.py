@@ -235,9 +235,12 @@ class FusedHead:
     rescore_weight: float = RESCORE_WEIGHT
     key: str = ""  # the content hash it was fitted for (:func:`head_key`)
 
-    def score(self, knn: Floats, vectors: Floats, texts: Sequence[str], tokens: TokenVectors | None = None) -> Scores:
+    def score(self, knn: Floats, vectors: Floats, texts: Sequence[str], tokens: TokenVectors | None = None,
+              offsets: Floats | None = None) -> Scores:
         """``knn``: mean-of-top-k example cosines ``[n, C]``; ``vectors``: the messages' unit vectors;
-        ``tokens``: their token vectors, for the second stage (without them there is none)."""
+        ``tokens``: their token vectors, for the second stage (without them there is none);
+        ``offsets``: ``[C]`` added to every message's ``F`` last, after the second stage (the
+        calibrated per-capability offsets, :func:`capd.calibrate.fit_offsets`)."""
         weight, bias = self.weight, self.bias
         with_head = weight is not None and bias is not None and self.mix > 0
         fused = (1 - self.mix if with_head else 1.0) * _log_softmax(knn / TEMPERATURE)
@@ -249,6 +252,8 @@ class FusedHead:
         coverage = np.full(fused.shape, np.nan, dtype=np.float32)
         if tokens is not None and self.tokens is not None:  # with one capability or β = 0 only coverage changes
             fused, coverage = self._rescore(fused, tokens, self.tokens)
+        if offsets is not None:
+            fused = np.asarray(fused + offsets[None, :], dtype=np.float32)
         n, columns = fused.shape
         winner = fused.argmax(axis=1)
         first = fused[np.arange(n), winner]

@@ -56,6 +56,8 @@ class GateBook:
 
     default: Gates
     by_tap: Mapping[Path, Gates] = field(default_factory=lambda: MappingProxyType({}))
+    # fused only: capability name -> the offset its tap's [gates.fused.offsets] adds to its score
+    offsets: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     def for_tap(self, tap: Path | None) -> Gates:
         return self.by_tap.get(tap, self.default) if tap is not None else self.default
@@ -68,7 +70,12 @@ class GateBook:
     def with_abstain_corpus(self, on: bool) -> GateBook:
         """The same gates with the abstain corpus on (or off) for every tap."""
         return GateBook(replace(self.default, abstain_corpus=on),
-                        MappingProxyType({t: replace(g, abstain_corpus=on) for t, g in self.by_tap.items()}))
+                        MappingProxyType({t: replace(g, abstain_corpus=on) for t, g in self.by_tap.items()}),
+                        self.offsets)
+
+    def with_offsets(self, offsets: Mapping[str, float]) -> GateBook:
+        """The same gates with these per-capability offsets in place of the taps' (``capd calibrate``)."""
+        return replace(self, offsets=MappingProxyType(dict(offsets)))
 
 
 def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str, float | int | bool | None],
@@ -76,6 +83,8 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
                    warned: set[tuple[Path, str | None]] | None = None) -> GateBook:
     """Manifest < tap ``capd.toml`` < settings overrides (``threshold``, ``margin``, ``top_k``,
     ``abstain_corpus``, ``coverage``; the last only for ``fused``, the others have no coverage gate).
+    Under ``fused`` a tap's ``[gates.fused.offsets]`` apply to its own capabilities (no setting
+    overrides them).
 
     ``model_gates`` are the manifest's gates for ``rule``; a tap contributes its gates for
     that rule (``abstain_corpus`` too, which ``anchor`` ignores). A tap's gates calibrated for
@@ -111,7 +120,11 @@ def build_gatebook(model_gates: Gates, catalog: Catalog, overrides: Mapping[str,
         given["top_k"] = fused.TOP_K
     default = apply(model_gates, given)
     by_tap = {tap: apply(apply(model_gates, config.gates_for(rule)), given) for tap, config in configs.items()}
-    return GateBook(default=default, by_tap=MappingProxyType(by_tap))
+    # a tap's offsets move its own capabilities only (a name it shares with a tap before it is not its)
+    offsets = {name: value for tap, config in configs.items() if rule == "fused"
+               for name, value in config.offsets.items()
+               if (capability := catalog.capabilities.get(name)) is not None and capability.tap == tap}
+    return GateBook(default=default, by_tap=MappingProxyType(by_tap), offsets=MappingProxyType(offsets))
 
 
 def _calibrated_for(config: TapConfig, model: str | None) -> bool:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from capd.catalog import Capability, Catalog, Problem, Provider, TapConfig
 from capd.fixtures import Fixture, name_errors, read_fixture_file, tap_fixture_files
-from capd.taps import _line_of, trigger_lines
+from capd.taps import _line_in_table, _line_of, trigger_lines
 from capd.text import clean_message, recall_key
 
 MIN_TRIGGER_CHARS = 8
@@ -216,6 +216,26 @@ def _ignored_rules(catalog: Catalog) -> Iterable[Problem]:
                           "(a setting beats both)", line, code="rule-ignored")
 
 
+def _stray_offsets(catalog: Catalog) -> Iterable[Problem]:
+    """An offset in ``[gates.fused.offsets]`` for a capability the tap does not route (renamed,
+    removed, or defined first by another tap): it changes nothing, and a capability that comes back
+    under that name gets it unmeasured."""
+    for tap, config in catalog.tap_configs.items():
+        for name in config.offsets:
+            capability = catalog.get(name)
+            if capability is not None and capability.tap == tap:
+                continue
+            try:
+                line = _line_in_table(config.path.read_text(encoding="utf-8", errors="replace"),
+                                      "gates.fused.offsets", name)
+            except OSError:
+                line = None
+            owner = "" if capability is None else f" ({name!r} is {capability.tap}'s, which comes first)"
+            yield Problem("warning", str(config.path), f"offset for {name!r}, which this tap does not route{owner}: "
+                          "it changes nothing; calibrate again (capd calibrate --offsets --write) or delete the line",
+                          line, code="stray-offset")
+
+
 def lint_catalog(catalog: Catalog) -> list[Problem]:
     """All static findings for a loaded catalog (load problems included), errors first."""
     problems = list(catalog.problems)
@@ -226,6 +246,7 @@ def lint_catalog(catalog: Catalog) -> list[Problem]:
     problems.extend(_cross_duplicates(catalog))
     problems.extend(_server_conflicts(catalog))
     problems.extend(_ignored_rules(catalog))
+    problems.extend(_stray_offsets(catalog))
     return ordered(problems)
 
 

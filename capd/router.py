@@ -266,7 +266,10 @@ class Router:
                     aligned[:, column] = knn[:, position[name]]
             knn = aligned
         vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
-        return self.head.names, self.head.score(knn, vectors, texts, tokens)
+        offsets = None
+        if self.gates.offsets:  # the taps' calibrated per-capability offsets ([gates.fused.offsets])
+            offsets = np.array([self.gates.offsets.get(n, 0.0) for n in self.head.names], dtype=np.float32)
+        return self.head.names, self.head.score(knn, vectors, texts, tokens, offsets)
 
     def refusals(self, vectors: np.ndarray, winners: Sequence[str],
                  own: Sequence[str] | None = None) -> list[Refusal | None]:
@@ -318,6 +321,13 @@ class Router:
         router.gates = self.gates.with_abstain_corpus(on and self.rule != "anchor")
         if on and self.rule != "anchor":
             router.vetoes = self.vetoes.with_corpus(self.encoder.embed)
+        return router
+
+    def with_offsets(self, offsets: Mapping[str, float]) -> Router:
+        """This router with ``offsets`` (capability name -> added to its fused score) in place of
+        the taps' (``capd calibrate`` scores without them to fit new ones)."""
+        router = copy.copy(self)
+        router.gates = self.gates.with_offsets(offsets)
         return router
 
     def with_tap_vetoes(self, messages: Sequence[str]) -> Router:
@@ -472,7 +482,8 @@ class Router:
         return self.rank(vector, limit, text, tokens)
 
     def explain(self, message: str, limit: int = DISCOVER_LIMIT) -> list[dict[str, Any]]:
-        """Per capability (best first): its score and the top-k examples with their cosines."""
+        """Per capability (best first): its score, the top-k examples with their cosines, and (fused) the
+        words BM25 matched and the offset its tap adds to the score it is ranked by, if any."""
         text, _ = clean_message(message, 0)
         if not text.strip():
             return []
@@ -483,5 +494,7 @@ class Router:
                 {"text": t, "cosine": round(c, 4)} for t, c in self.index.top_triggers(vector, name, self.top_k)]}
             if self.head is not None and name in self.head.names:
                 entry["words"] = self.head.lexicon.matches(text, self.head.names.index(name))
+            if name in self.gates.offsets:  # fused: its tap's [gates.fused.offsets], part of the score
+                entry["offset"] = self.gates.offsets[name]
             out.append(entry)
         return out

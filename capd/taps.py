@@ -476,6 +476,9 @@ def load_tap_vetoes(tap: Path) -> tuple[tuple[str, ...], list[Problem]]:
     return tuple(r.message for r in rows if not r.positive), problems
 
 
+MAX_OFFSET = 20.0  # log-odds units: beyond this an offset alone would decide every message
+
+
 def tap_config(path: Path, table: Mapping[str, Any], text: str) -> TapConfig:
     """A parsed ``capd.toml`` checked (``text`` for the lines of errors); raises TapFileError."""
     check = _Checker(path, text)
@@ -487,8 +490,10 @@ def tap_config(path: Path, table: Mapping[str, Any], text: str) -> TapConfig:
         if near := difflib.get_close_matches(key, TAP_CONFIG_KEYS, n=1, cutoff=0.75):
             raise check.fail(key, f"is not read by capd: did you mean {near[0]}?")
     gates_raw = dict(check.table(table, "gates"))
-    fused_raw = check.table(gates_raw, "fused") if "fused" in gates_raw else {}
+    fused_raw = dict(check.table(gates_raw, "fused")) if "fused" in gates_raw else {}
     gates_raw.pop("fused", None)
+    offsets = _offsets(check, check.table(fused_raw, "offsets", "gates.fused.offsets"))
+    fused_raw.pop("offsets", None)
     gates = _gate_values(check, "gates", gates_raw, GATE_KEYS)
     fused_gates = _gate_values(check, "gates.fused", fused_raw, ("threshold", "margin", "coverage"))
     model = check.optional_str(table, "model")
@@ -496,7 +501,22 @@ def tap_config(path: Path, table: Mapping[str, Any], text: str) -> TapConfig:
     if rule is not None and rule not in RULES:
         raise check.fail("rule", f"must be one of {', '.join(RULES)} (got {rule!r})")
     return TapConfig(path=path, gates=MappingProxyType(gates), model=model, fused_gates=MappingProxyType(fused_gates),
-                     rule=rule)
+                     rule=rule, offsets=MappingProxyType(offsets))
+
+
+def _offsets(check: _Checker, raw: Mapping[str, Any]) -> dict[str, float]:
+    """``[gates.fused.offsets]``: capability name -> a number added to its fused score (``capd
+    calibrate``'s per-capability offsets, :func:`capd.calibrate.fit_offsets`). A name the tap does
+    not define is kept and changes nothing (the capability may come back)."""
+    offsets: dict[str, float] = {}
+    for name, value in raw.items():
+        label = f"gates.fused.offsets.{name}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise check.fail(label, "must be a number")
+        if not (math.isfinite(value) and -MAX_OFFSET <= value <= MAX_OFFSET):
+            raise check.fail(label, f"must be a number between -{MAX_OFFSET:g} and {MAX_OFFSET:g} (got {value})")
+        offsets[name] = float(value)
+    return offsets
 
 
 def _gate_values(check: _Checker, where: str, raw: Mapping[str, Any],

@@ -10,6 +10,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+EVALSETS = Path(__file__).resolve().parents[2] / "shared" / "evalsets"  # read in place, never copied
+
 POSTGRES_PROVIDER = """\
 # Title: PostgreSQL Database
 # Description: Query and inspect PostgreSQL
@@ -100,3 +102,21 @@ def local_client(app: FastAPI, **kwargs: Any) -> TestClient:
     """A TestClient addressing the app as ``127.0.0.1``: its default host name (``testserver``) is one
     a daemon without a token refuses (``capd/origin.py``)."""
     return TestClient(app, base_url="http://127.0.0.1", **kwargs)
+
+
+def calibrated_evalset(settings: Any, name: str, variants: dict[str, dict[str, bool]]) -> dict[str, dict[str, Any]]:
+    """``capd calibrate``'s report on a shared eval set's tap and ``dev.jsonl`` with the fused rule and
+    the real model, once per variant (``calibrate``'s keyword arguments), from one started service."""
+    from dataclasses import replace
+
+    from capd.calibrate import calibrate
+    from capd.fixtures import load_fixtures
+    from capd.service import Service
+
+    root = EVALSETS / name
+    rows = load_fixtures([root / "dev.jsonl"])
+    service = Service(replace(settings, taps=(root / "tap",), rule="fused")).start()
+    try:
+        return {label: calibrate(service.router, rows, **kwargs) for label, kwargs in variants.items()}
+    finally:
+        service.close()

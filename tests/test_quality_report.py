@@ -45,11 +45,19 @@ def test_held_out_figures_are_what_calibrate_reports(report: Report, rule: str, 
     # the report's own data directory: its vector cache and fitted heads make this quick
     settings = replace(model_settings, taps=(CORE,), rule=rule, data_dir=report.scratch / "shared")
     service = Service(settings, encoder=real_encoder).start()
+    fixtures = load_fixtures(tap_fixture_files(CORE))
     try:
-        expected = calibrate(service.router, load_fixtures(tap_fixture_files(CORE)))
+        expected = calibrate(service.router, fixtures)
+        offsets = calibrate(service.router, fixtures, offsets=True) if rule == "fused" else None
     finally:
         service.close()
     measured = result["sets"]["core"]["rules"][rule]
+    if offsets is not None:  # `capd calibrate --offsets`
+        assert measured["calibrated_offsets"]["held_out"] == offsets["held_out"]
+        assert measured["calibrated_offsets"]["gates"] == offsets["recommended"]
+        assert measured["calibrated_offsets"]["offsets"] == len(offsets["offsets"]) > 0
+    else:
+        assert "calibrated_offsets" not in measured
     assert measured["calibrated"]["held_out"] == expected["held_out"]
     assert measured["calibrated"]["fit"] == expected["fit"]
     assert measured["calibrated"]["gates"] == expected["recommended"]  # the abstain corpus choice included
@@ -76,6 +84,8 @@ def test_markdown_has_every_section(report: Report) -> None:
         assert label in markdown
     for heading in ("## Summary", "## Learning from corrections", "## Cost of the fused rule", "## What we tried"):
         assert heading in markdown
+    offsets = markdown.split("## Per-capability offsets")[1].split("\n## ")[0]
+    assert "| core | 65 / 25 " in offsets and "| core | fused | " in offsets
     assert "not measured by this script" in markdown
     assert result["sets"]["core"]["timing"]["fused"]["score_ms"] > 0
 

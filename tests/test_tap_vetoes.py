@@ -22,10 +22,9 @@ from capd.fixtures import Fixture, load_fixtures
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_tap_config
-from tests.taputil import octomind_tap
+from tests.taputil import EVALSETS, calibrated_evalset, octomind_tap
 
 CORE = Path(__file__).resolve().parent.parent / "taps" / "core"
-EVALSETS = Path(__file__).resolve().parents[2] / "shared" / "evalsets"
 SHIPPED_GATES = ('model = "all-minilm-l6-v2"\nrule = "fused"\n'
                  "[gates.fused]\nthreshold = -0.37\nmargin = 1.0\ncoverage = 0.42\n")
 
@@ -165,12 +164,8 @@ def test_calibrate_write_appends_the_fit_nulls_and_keeps_what_is_there(tmp_path:
 def test_the_fit_nulls_as_vetoes_lift_hwu64_held_out(model_settings: Settings) -> None:
     """hwu64's nulls are four whole scenarios the tap lacks. Measured held out (fused, calibrated on the
     fit part): fired_right 0.603 -> 0.783 at null_fpr 0.041 both (`capd calibrate … --no-vetoes`)."""
-    root = EVALSETS / "hwu64_scenario_oos"
-    settings = dataclasses.replace(model_settings, taps=(root / "tap",), rule="fused")
-    rows = load_fixtures([root / "dev.jsonl"])
-    with closing(Service(settings).start()) as service:
-        with_vetoes = calibrate(service.router, rows)
-        without = calibrate(service.router, rows, vetoes=False)
+    reports = calibrated_evalset(model_settings, "hwu64_scenario_oos", {"with": {}, "without": {"vetoes": False}})
+    with_vetoes, without = reports["with"], reports["without"]
     assert with_vetoes["vetoes"] > 100
     held, before = with_vetoes["held_out"], without["held_out"]
     assert held["fired_right"] >= before["fired_right"] + 0.15

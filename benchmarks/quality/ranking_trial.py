@@ -102,9 +102,9 @@ class LayerHead(fused.FusedHead):
     features: Callable[[Sequence[str]], np.ndarray] | None = None
 
     def score(self, knn: fused.Floats, vectors: fused.Floats, texts: Sequence[str],
-              tokens: TokenVectors | None = None) -> fused.Scores:
+              tokens: TokenVectors | None = None, offsets: fused.Floats | None = None) -> fused.Scores:
         assert self.features is not None
-        return super().score(knn, self.features(list(texts)), texts, tokens)
+        return super().score(knn, self.features(list(texts)), texts, tokens, offsets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +116,11 @@ class HubnessHead(fused.FusedHead):
     penalty: np.ndarray | None = None  # [E]
 
     def score(self, knn: fused.Floats, vectors: fused.Floats, texts: Sequence[str],
-              tokens: TokenVectors | None = None) -> fused.Scores:
+              tokens: TokenVectors | None = None, offsets: fused.Floats | None = None) -> fused.Scores:
         assert self.examples is not None and self.labels is not None and self.penalty is not None
         discounted = np.asarray(vectors @ self.examples.T, dtype=np.float32) - self.penalty
-        scores = super().score(nearest_mean(discounted, self.labels, len(self.names)), vectors, texts, tokens)
+        scores = super().score(nearest_mean(discounted, self.labels, len(self.names)), vectors, texts, tokens,
+                               offsets)
         return dataclasses.replace(scores, level=np.asarray(knn - self.in_class, dtype=np.float32))
 
 

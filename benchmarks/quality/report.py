@@ -44,23 +44,24 @@ def held_sizes(values: dict[str, Any]) -> str:
     return f"{values['positives']} / {nulls}" + (f" (1 null = {1 / nulls:.3f})" if nulls else " (no nulls)")
 
 
-def summary_lines(result: dict[str, Any], after_rule: str = "fused") -> list[str]:
+def summary_lines(result: dict[str, Any], after_rule: str = "fused", after: str = "calibrated") -> list[str]:
+    """Before (anchor, calibrated) → after (``after_rule``'s ``after`` calibration), held out, per set."""
     lines = ["| set | held-out positives / nulls | " + " | ".join(f"{m} before → after" for m in METRICS)
              + " | goal met (after) |", "|---|---|" + "---|" * len(METRICS) + "---|"]
     for name, data in result["sets"].items():
         before = data["rules"]["anchor"].get("calibrated", {}).get("held_out")
-        after = data["rules"].get(after_rule, {}).get("calibrated", {}).get("held_out")
-        if before is None or after is None:
+        after_rows = data["rules"].get(after_rule, {}).get(after, {}).get("held_out")
+        if before is None or after_rows is None:
             lines.append(f"| {name} | — | no gates within the limits on the fit part |" + " |" * len(METRICS))
             continue
         cells, verdicts = [], []
         for m in METRICS:
-            verdict = meets(m, after[m])
+            verdict = meets(m, after_rows[m])
             verdicts.append(verdict)
             mark = "" if verdict is None else " ✓" if verdict else " ✗"
-            cells.append(f"{fmt(before[m])} → {fmt(after[m])}{mark}")
+            cells.append(f"{fmt(before[m])} → {fmt(after_rows[m])}{mark}")
         met = "no" if False in verdicts else "yes" if None not in verdicts else "yes (no nulls: null_fpr untested)"
-        lines.append(f"| {name} | {held_sizes(after)} | " + " | ".join(cells) + f" | {met} |")
+        lines.append(f"| {name} | {held_sizes(after_rows)} | " + " | ".join(cells) + f" | {met} |")
     return lines
 
 
@@ -288,6 +289,30 @@ def coverage_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def offset_lines(result: dict[str, Any]) -> list[str]:
+    """``capd calibrate --offsets``: the summary with them, and calibrated without → with them."""
+    lines = ["`capd calibrate --offsets` also fits a number per capability that the fused rule adds to its score "
+             "(`[gates.fused.offsets]`; `capd/calibrate.py`, `fit_offsets`): the offsets that minimise the fit "
+             "positives' cross-entropy, L2-penalised with the penalty chosen by 5-fold cross-validation, and each "
+             "fit row scored with offsets fitted without its fold while the gates are fitted. Opt-in. Before = "
+             "anchor, calibrated; after = fused, calibrated with the offsets (and the vetoes), held-out:", "",
+             *summary_lines(result, "fused", "calibrated_offsets"), "",
+             "Without → with the offsets, same calibration otherwise; held-out top1, held-out fired_right / "
+             "fired_wrong / null_fpr, and fit fired_right (without: tuned on; with: out of fold).", "",
+             "| set | rule | offsets | held-out top1 | held-out without | held-out with | fit fired_right |",
+             "|---|---|---|---|---|---|---|"]
+    for name, data in result["sets"].items():
+        for rule in ("fused", "fused+tuned"):
+            r = data["rules"].get(rule, {})
+            if "calibrated" in r and "calibrated_offsets" in r:
+                before, after = r["calibrated"], r["calibrated_offsets"]
+                lines.append(f"| {name} | {rule} | {after['offsets']} | {fmt(before['held_out']['top1'])} → "
+                             f"{fmt(after['held_out']['top1'])} | {rates_cell(before['held_out'])} | "
+                             f"{rates_cell(after['held_out'])} | {fmt(before['fit']['fired_right'])} → "
+                             f"{fmt(after['fit']['fired_right'])} |")
+    return [*lines, ""]
+
+
 def veto_lines(result: dict[str, Any]) -> list[str]:
     """The tap's vetoes' contribution: calibrated without → with the fit part's null rows as vetoes."""
     lines = ["`capd calibrate` fits the gates with the fit part's null rows as the tap's vetoes (`--write` stores "
@@ -323,6 +348,7 @@ def render(result: dict[str, Any], out: Path) -> str:
         "null is 1/n of null_fpr, so small sets move in large steps.", "",
         *summary_lines(result), "",
         "## The tap's vetoes: calibrated without → with the fit part's null rows", "", *veto_lines(result),
+        "## Per-capability offsets (`capd calibrate --offsets`)", "", *offset_lines(result),
         "## The coverage gate: fused calibrated without → with it", "", *coverage_lines(result),
         "## Tuned model: before (anchor, calibrated) → after (fused + tuned, calibrated), held-out", "",
         *tuned_lines(result),

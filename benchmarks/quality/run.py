@@ -48,7 +48,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from capd.calibrate import Point, fit_gates, fit_vetoes, grid_for, score_variants, split
+from capd.calibrate import Point, fit_gates, fit_vetoes, fitted_router, grid_for, score_variants, split
 from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
@@ -303,6 +303,15 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
             table = alone.tables[point.top_k]
             out["calibrated_no_vetoes"] = {"gates": point.as_dict(), "held_out": gated(table, held_rows, point),
                                            "fit": gated(table, fit_rows, point)}
+    if router.rule == "fused":  # `capd calibrate --offsets`: the same calibration with per-capability offsets
+        moved, _, offsets = fitted_router(router, fixtures, vectors, tokens, offsets=True)
+        with_offsets = fit_gates(score_variants(moved, fixtures, vectors, tokens, grid, offsets), fit_rows, grid=grid,
+                                 **LIMITS)
+        if (point := with_offsets.point) is not None:
+            table = with_offsets.tables[point.top_k]
+            out["calibrated_offsets"] = {"gates": point.as_dict(), "held_out": gated(table, held_rows, point),
+                                         "fit": gated(table, fit_rows, point),
+                                         "offsets": 0 if offsets is None else len(offsets.offsets)}
     if router.rule == "fused":  # the coverage gate's contribution: the same calibration without its axis
         no_axis = fit_gates(variants, fit_rows, grid=dataclasses.replace(grid, coverages=np.zeros(1)), **LIMITS)
         if (point := no_axis.point) is not None:

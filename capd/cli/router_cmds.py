@@ -67,7 +67,8 @@ def route_text(result: dict[str, Any], explain: list[dict[str, Any]] | None = No
     for candidate in result["candidates"]:
         lines.append(f"    {candidate['score']:.3f}  {candidate['name']}")
     for entry in explain or []:
-        lines.append(f"  {entry['name']} {entry['score']:.3f}")
+        offset = f"  (ranked with offset {entry['offset']:+.3f})" if "offset" in entry else ""
+        lines.append(f"  {entry['name']} {entry['score']:.3f}{offset}")
         lines += [f"      {t['cosine']:.3f}  {t['text']}" for t in entry["triggers"]]
     plan = result.get("plan")
     if plan:
@@ -294,10 +295,12 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
               "null rows in <tap>/vetoes.jsonl (each --tap given).")
 @click.option("--no-vetoes", is_flag=True, help="Fit the gates without the fit part's null rows as vetoes "
               "(and write no vetoes.jsonl).")
+@click.option("--offsets", "with_offsets", is_flag=True, help="fused: also fit per-capability offsets "
+              "(--write stores them in [gates.fused.offsets]; without this flag it removes that table's lines).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
               backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, max_null_fpr: float,
-              max_wrong: float, write: bool, no_vetoes: bool, as_json: bool) -> None:
+              max_wrong: float, write: bool, no_vetoes: bool, with_offsets: bool, as_json: bool) -> None:
     """Sweep the gates, recommend the point with most fired_right within the limits.
 
     Example: capd calibrate --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --write
@@ -313,12 +316,18 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
     service = _service(settings)
     check_names(fixtures, service.catalog_now().capabilities, _broken(service))
     report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.fit_auto_gates(),
-                             vetoes=not no_vetoes)
+                             vetoes=not no_vetoes, offsets=with_offsets)
     point = report["recommended"]
     refused = write and point is not None and NO_NULLS in report["warnings"]
     if write:  # every edit made and checked before any file is written
-        edits = [] if point is None or refused else [gates_edit(Path(t), point, service.gate_model, settings.rule)
-                                                     for t in settings.taps]
+        catalog = service.catalog_now()
+
+        def own_offsets(tap: Path) -> dict[str, float]:  # each tap stores its own capabilities' offsets
+            return {name: value for name, value in report["offsets"].items()
+                    if (capability := catalog.get(name)) is not None and capability.tap == tap}
+
+        edits = [] if point is None or refused else [
+            gates_edit(Path(t), point, service.gate_model, settings.rule, own_offsets(Path(t))) for t in settings.taps]
         rows = fit_vetoes(fixtures, settings.rule) if edits and not no_vetoes else []
         vetoes = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
         report["written"] = [str(edit.write()) for edit in edits] + [str(write_vetoes(e)) for e in vetoes]
@@ -350,6 +359,10 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
                            f"with it {_fmt(tried['with'])} (kept when it adds {CORPUS_MIN_GAIN} or more)")
                 click.echo(f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
                            + (" (--write adds them to vetoes.jsonl)" if report["vetoes"] else ""))
+            if fused and with_offsets:
+                moved = sorted(report["offsets"].items(), key=lambda item: -abs(item[1]))
+                click.echo(f"  per-capability offsets: {len(moved)}" + ("" if not moved else " (largest: " + ", ".join(
+                    f"{name} {value:+.2f}" for name, value in moved[:3]) + "; --write stores them in capd.toml)"))
             for label in ("fit", "held_out"):
                 m = report[label]
                 click.echo(f"  {label:<9} fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}"
