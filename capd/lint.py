@@ -221,15 +221,17 @@ def _stray_offsets(catalog: Catalog) -> Iterable[Problem]:
     removed, or defined first by another tap): it changes nothing, and a capability that comes back
     under that name gets it unmeasured."""
     for tap, config in catalog.tap_configs.items():
+        text: str | None = None  # read once per file, only when it has a stray offset
         for name in config.offsets:
             capability = catalog.get(name)
             if capability is not None and capability.tap == tap:
                 continue
-            try:
-                line = _line_in_table(config.path.read_text(encoding="utf-8", errors="replace"),
-                                      "gates.fused.offsets", name)
-            except OSError:
-                line = None
+            if text is None:
+                try:
+                    text = config.path.read_text(encoding="utf-8", errors="replace")
+                except OSError:
+                    text = ""
+            line = _line_in_table(text, "gates.fused.offsets", name)
             owner = "" if capability is None else f" ({name!r} is {capability.tap}'s, which comes first)"
             yield Problem("warning", str(config.path), f"offset for {name!r}, which this tap does not route{owner}: "
                           "it changes nothing; calibrate again (capd calibrate --offsets --write) or delete the line",

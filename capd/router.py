@@ -243,6 +243,8 @@ class Router:
         self.vetoes = vetoes if vetoes is not None and rule != "anchor" else Vetoes()
         # A message an agent corrected, seen again: the capability it enabled (LearnedStore.recalls)
         self.recalled: Mapping[str, str] = recalled if recalled is not None and rule != "anchor" else {}
+        # (gates.offsets, head.names, their vector): built once per router, not per route
+        self._offset_vector: tuple[Mapping[str, float], tuple[str, ...], np.ndarray | None] | None = None
 
     @property
     def top_k(self) -> int:
@@ -266,10 +268,17 @@ class Router:
                     aligned[:, column] = knn[:, position[name]]
             knn = aligned
         vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
-        offsets = None
-        if self.gates.offsets:  # the taps' calibrated per-capability offsets ([gates.fused.offsets])
-            offsets = np.array([self.gates.offsets.get(n, 0.0) for n in self.head.names], dtype=np.float32)
-        return self.head.names, self.head.score(knn, vectors, texts, tokens, offsets)
+        return self.head.names, self.head.score(knn, vectors, texts, tokens, self._offsets())
+
+    def _offsets(self) -> np.ndarray | None:
+        """The taps' per-capability offsets ([gates.fused.offsets]) in the head's column order, or
+        None; rebuilt only when the gates or the head change (a copy by :meth:`with_offsets`)."""
+        assert self.head is not None
+        offsets, names, cached = self.gates.offsets, self.head.names, self._offset_vector
+        if cached is None or cached[0] is not offsets or cached[1] is not names:
+            vector = np.array([offsets.get(n, 0.0) for n in names], dtype=np.float32) if offsets else None
+            cached = self._offset_vector = (offsets, names, vector)
+        return cached[2]
 
     def refusals(self, vectors: np.ndarray, winners: Sequence[str],
                  own: Sequence[str] | None = None) -> list[Refusal | None]:

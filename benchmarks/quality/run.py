@@ -269,8 +269,8 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
     fit_rows, held_rows = split(fixtures)
     # what `capd calibrate` fits with: the fit part's null rows as the tap's vetoes (none for anchor)
     veto_rows = [f.message for f in fit_vetoes(fixtures, router.rule)]
-    variants = (score_variants(router.with_tap_vetoes(veto_rows), fixtures, vectors, tokens, grid) if veto_rows
-                else plain)
+    vetoed = router.with_tap_vetoes(veto_rows)
+    variants = score_variants(vetoed, fixtures, vectors, tokens, grid) if veto_rows else plain
     out: dict[str, Any] = {
         "capabilities": len(router.catalog), "examples": router.index.trigger_count,
         "default": {"gates": default, "held_out": gated(tables[int(default["top_k"])], held_rows, Gates(
@@ -304,7 +304,7 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
             out["calibrated_no_vetoes"] = {"gates": point.as_dict(), "held_out": gated(table, held_rows, point),
                                            "fit": gated(table, fit_rows, point)}
     if router.rule == "fused":  # `capd calibrate --offsets`: the same calibration with per-capability offsets
-        moved, _, offsets = fitted_router(router, fixtures, vectors, tokens, offsets=True)
+        moved, _, offsets = fitted_router(vetoed, fixtures, vectors, tokens, vetoes=False, offsets=True)
         with_offsets = fit_gates(score_variants(moved, fixtures, vectors, tokens, grid, offsets), fit_rows, grid=grid,
                                  **LIMITS)
         if (point := with_offsets.point) is not None:
