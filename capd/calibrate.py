@@ -62,7 +62,7 @@ from capd.encoder import TokenVectors
 from capd.errors import TapFileError
 from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
 from capd.fixtures import Fixture, read_fixture_file
-from capd.router import Router
+from capd.router import Router, distinct_vetoes, veto_text
 from capd.taps import GATE_KEYS, MAX_OFFSET, SWITCH, TAP_VETOES, read_tap_file, tap_config
 from capd.text import recall_key, strip_tags
 from capd.toml_edit import KeyPath, render_key
@@ -237,15 +237,19 @@ def score_variants(router: Router, fixtures: Sequence[Fixture], vectors: np.ndar
 
 
 def fit_vetoes(fixtures: Sequence[Fixture], rule: str) -> list[Fixture]:
-    """The rows that become the tap's vetoes: the fit part's null rows, once per message (none for
-    ``anchor``, which has no vetoes). Calibration fits the gates with them in force, each row
-    scored without its own copy, and ``--write`` stores them in ``<tap>/vetoes.jsonl``; the
-    held-out part never joins them, so its figures stay those of unseen messages."""
+    """The rows that become the tap's vetoes: the fit part's null rows, once per routed text
+    (:func:`~capd.router.distinct_vetoes`; none for ``anchor``, which has no vetoes). Calibration
+    fits the gates with them in force, each row scored without its own copy, and ``--write``
+    stores them in ``<tap>/vetoes.jsonl``; the held-out part never joins them, so its figures stay
+    those of unseen messages."""
     if rule == "anchor":
         return []
     fit_rows, _ = split(fixtures)
-    rows = {fixtures[i].message: fixtures[i] for i in fit_rows if not fixtures[i].positive}
-    return list(rows.values())
+    rows: dict[str, Fixture] = {}
+    for i in fit_rows:
+        if not fixtures[i].positive:
+            rows.setdefault(fixtures[i].message, fixtures[i])
+    return [rows[message] for message in distinct_vetoes(list(rows))]
 
 
 @dataclass(frozen=True)
@@ -478,8 +482,8 @@ def vetoes_edit(tap: Path, rows: Sequence[Fixture]) -> tuple[Path, str] | None:
             raise TapFileError(path, f"{exc.reason}; no veto was added") from None
         except UnicodeDecodeError as exc:
             raise TapFileError(path, f"not UTF-8 text ({exc.reason}); no veto was added") from None
-        have = {f.message for f in read_fixture_file(path, data)[0]}
-    new = [row for row in rows if row.message not in have]
+        have = {recall_key(veto_text(f.message)) for f in read_fixture_file(path, data)[0]}
+    new = [row for row in rows if recall_key(veto_text(row.message)) not in have]
     if not new:
         return None
     lines = [json.dumps({"message": row.message, "expect": None, "kind": row.kind}, ensure_ascii=False) for row in new]

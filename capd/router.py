@@ -127,6 +127,22 @@ TAP_VETO_VOTES = 2
 VetoSource = Literal["learned", "corpus", "tap"]
 
 
+def veto_text(message: str) -> str:
+    """What a tap's veto is embedded as: the text a message equal to it routes on."""
+    return strip_tags(message)
+
+
+def distinct_vetoes(messages: Sequence[str]) -> tuple[str, ...]:
+    """``messages`` once per routed text (case and spacing aside, :func:`~capd.text.recall_key`),
+    the first spelling kept, without those that leave nothing to route on."""
+    seen: dict[str, str] = {}
+    for message in messages:
+        key = recall_key(veto_text(message))
+        if key and key not in seen:
+            seen[key] = message
+    return tuple(seen.values())
+
+
 @dataclass(frozen=True)
 class Vetoes:
     """Abstains that veto a winner: per capability, the messages an agent refused it for
@@ -170,13 +186,18 @@ class Vetoes:
 
     def with_taps(self, messages: Mapping[Path, Sequence[str]],
                   vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
-        """These vetoes with each tap's own (``vetoes.jsonl``) replaced by ``messages``; one embedding call."""
-        kept = {tap: tuple(dict.fromkeys(texts)) for tap, texts in messages.items() if texts}
+        """These vetoes with each tap's own (``vetoes.jsonl``) replaced by ``messages``; one embedding call.
+
+        A veto stands for the text a message like it routes on (:func:`veto_text`: its tags
+        removed), and counts once per such text: copies that differ in case, spacing or tags are
+        one message to the model, and two of them would be the two votes ``TAP_VETO_VOTES`` asks
+        of different messages. One with nothing left to route on is no veto."""
+        kept = {tap: distinct for tap, texts in messages.items() if (distinct := distinct_vetoes(texts))}
         flat = list(dict.fromkeys(t for texts in kept.values() for t in texts))
         if not flat:
             return replace(self, taps=MappingProxyType({}))
         row = {text: i for i, text in enumerate(flat)}
-        matrix = np.asarray(vectors_of(flat), dtype=np.float32)
+        matrix = np.asarray(vectors_of([veto_text(t) for t in flat]), dtype=np.float32)
         return replace(self, taps=MappingProxyType(
             {tap: (texts, matrix[[row[t] for t in texts]]) for tap, texts in kept.items()}))
 

@@ -42,6 +42,7 @@ from capd.router import (
     Vetoes,
     abstain_corpus,
     example_catalog,
+    veto_text,
 )
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings, own_data_dir
@@ -103,7 +104,7 @@ def cached_texts(catalog: Catalog, rule: str, store: LearnedStore | None) -> set
     learned, refused = learned_in_effect(catalog, rule, store)
     texts = {t for capability in example_catalog(catalog, rule, learned) for t in capability.triggers}
     texts.update(message for messages in refused.values() for message in messages)
-    texts.update(message for config in catalog.tap_configs.values() for message in config.vetoes)
+    texts.update(veto_text(message) for config in catalog.tap_configs.values() for message in config.vetoes)
     texts.update(abstain_corpus())
     return texts
 

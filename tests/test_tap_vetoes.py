@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import calibrate, fit_vetoes, split
+from capd.calibrate import calibrate, fit_vetoes, split, vetoes_edit
 from capd.cli import main
 from capd.evaluation import score_table
 from capd.fixtures import Fixture, load_fixtures
@@ -91,6 +91,17 @@ def test_two_near_vetoes_turn_a_winner_away_and_one_does_not(model_settings: Set
         service.reload(changed=[vetoes])
         assert service.router.route(NULL).decision == "activate"  # one veto alone is not enough
         assert service.router.route(VETOES[0]).decision == "abstain"  # but its own text is turned away
+        # Copies in other case, spacing or tags are one message to the model: still one vote, not two.
+        copies = (VETOES[0], VETOES[0].upper(), VETOES[0].replace(" ", "  "), f"<context>notes</context> {VETOES[0]}")
+        vetoes.write_text(_rows(*copies, "<context>only tags</context>"))
+        service.reload(changed=[vetoes])
+        assert service.router.route(NULL).decision == "activate"
+        assert service.router.vetoes.taps[vetoed_core][0] == (VETOES[0],)  # and one with nothing to route on is none
+        vetoes.write_text(_rows(VETOES[0], f"<context>notes</context> {VETOES[1]}"))
+        service.reload(changed=[vetoes])
+        tagged = service.router.vetoes.taps[vetoed_core][1][1]
+        assert np.allclose(tagged, service.encoder.embed([VETOES[1]])[0], atol=1e-6)  # as a message like it routes
+        assert service.router.route(NULL).decision == "abstain"
         vetoes.write_text(_rows(*VETOES))
         service.reload(changed=[vetoes])
         after = service.router.route(NULL)
@@ -158,6 +169,22 @@ def test_calibrate_write_appends_the_fit_nulls_and_keeps_what_is_there(tmp_path:
     other = octomind_tap(tmp_path / "other")
     result = CliRunner().invoke(main, [*args[:2], str(other), *args[3:], "--no-vetoes"])
     assert result.exit_code == 0 and not (other / "vetoes.jsonl").exists() and (other / "capd.toml").exists()
+
+
+def test_a_veto_is_one_message_whatever_its_case_spacing_or_tags(tmp_path: Path) -> None:
+    """Calibration keeps one fit null per routed text, and ``--write`` does not add a copy of a line
+    the file has in another spelling: the model sees one message, and two copies would vote twice."""
+    spellings = ["Hello there, how are you", "hello  there, HOW are you",
+                 "<context>x</context> hello there, how are you"]
+    rows = [Fixture(m, (), "chitchat", f"t:{i}") for i, m in enumerate(spellings)]
+    assert len(split(rows)[0]) == 3  # one text, one side of the split: here the fit part
+    assert [f.message for f in fit_vetoes(rows, "fused")] == [spellings[0]]
+    tap = octomind_tap(tmp_path / "tap")
+    (tap / "vetoes.jsonl").write_text(_rows(spellings[1]))
+    assert vetoes_edit(tap, rows) is None
+    added = vetoes_edit(tap, [*rows, Fixture("what a lovely morning", (), "chitchat", "t:9")])
+    assert added is not None and added[1].endswith(_rows("what a lovely morning"))
+    assert added[1].count("\n") == 2
 
 
 @pytest.mark.skipif(not (EVALSETS / "hwu64_scenario_oos").is_dir(), reason="../shared/evalsets is not present")
