@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import COSINE_GRID, best_point, fit_gates, score_variants, split, sweep
+from capd.calibrate import COSINE_GRID, best_point, fit_gates, score_variants, small_part_warnings, split, sweep
 from capd.cli import main
 from capd.errors import FixtureError
 from capd.evaluation import ScoreTable, apply_gates, breakdown, embed_fixtures, metrics
@@ -752,6 +752,27 @@ def test_calibrate_write_refuses_gates_no_null_row_checked(tmp_path: Path) -> No
     refused = CliRunner().invoke(main, [*args, "--write", "--json"])  # it printed nothing on stdout
     assert refused.exit_code == 1 and "nothing written" in refused.stderr
     assert json.loads(refused.stdout)["written"] == [] and json.loads(refused.stdout)["recommended"] is not None
+
+
+def test_calibrate_warns_when_the_fit_part_is_too_small_for_a_limit(tmp_path: Path) -> None:
+    """With fewer fit nulls than one per limit's worth (20 at 0.05), calibration must keep every one
+    of them out and fits the gates to whichever happen to be there: healthcare's 11 fit nulls gave
+    held-out fired_right 0.737 where its auto gates gave 0.947. The author was told only afterwards,
+    by the held-out figures, that "more fixture rows would make the gates surer"."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    fixtures = tap / "fixtures" / "routing.jsonl"
+    result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures", str(fixtures), "--json",
+                                       *_hash(tmp_path)])
+    report = json.loads(result.stdout)
+    fit, nulls = report["rows"]["fit"], report["rows"]["fit_nulls"]
+    assert 0 < nulls < 20 and 0 < fit - nulls < 34
+    null_warning, wrong_warning = (w for w in report["warnings"] if "happen to be there" in w)
+    assert null_warning.startswith(f"the fit part has {nulls} null rows: one is {1 / nulls:.3f} of null_fpr")
+    assert "must let none of them through" in null_warning and "with 20 null rows in the fit part (about 29 in all)" \
+        in null_warning
+    assert f"has {fit - nulls} positive rows" in wrong_warning and "with 34 positive rows" in wrong_warning
+    assert small_part_warnings(34, 20, 0.05, 0.03) == [] and len(small_part_warnings(33, 19, 0.05, 0.03)) == 2
+    assert small_part_warnings(1, 1, 0.0, 1.0) == []  # a limit of 0 or 1 asks nothing that rows could allow
 
 
 def test_calibrate_json_has_its_keys_without_a_fit_positive(tmp_path: Path) -> None:
