@@ -82,7 +82,10 @@ TOKEN_BUDGET = 100_000  # example token rows kept for the second stage (~150 MB 
 BM25_K1, BM25_B = 1.2, 0.75
 VERSION = "fused-3"  # bump when anything above changes the cached heads
 
-_WORD = re.compile(r"[^\W_]+")  # letters and digits of any script (ASCII: [a-z0-9] after lower())
+# Words: letters and digits of any script (ASCII: [a-z0-9] after lower()). A command-line flag
+# (`-la`, `--force`: dashes starting a word, then a letter) is one word with its dashes, so
+# that "la la la" does not match `ls -la` (nor a message with "force" a trigger with `--force`).
+_WORD = re.compile(r"(?<![^\s(\[{'\"`])-{1,2}[^\W\d_][^\W_]*|[^\W_]+")
 _STOP_WORDS = """
 a an the to of and or in on at for with by from is are was were be been am i me my we our you your it its this
 that these those do does did can could would will should please pls hey hi what whats how when where which who why
@@ -93,7 +96,8 @@ _STOP = frozenset(_STOP_WORDS.split())
 
 
 def words(text: str) -> list[str]:
-    """Lower-case content words with a light suffix strip (``running`` and ``runs`` → ``runn``/``run``)."""
+    """Lower-case content words with a light suffix strip (``running`` and ``runs`` → ``runn``/``run``);
+    a command-line flag keeps its dashes (``-la``)."""
     out = []
     for word in _WORD.findall(text.lower()):
         if len(word) < 2 or word in _STOP:

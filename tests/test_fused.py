@@ -58,6 +58,16 @@ def test_words_keep_letters_beyond_ascii() -> None:
     assert lexicon.matches("Zürich forecast", 0) == ["zürich"] and lexicon.matches("Zürich forecast", 1) == []
 
 
+def test_a_command_line_flag_is_one_word_with_its_dashes() -> None:
+    """``-la`` was the word ``la``: "la la la la" matched shell's trigger "execute ls -la in the
+    current directory" and the shipped tap activated shell on it."""
+    assert words("execute ls -la in the current directory") == ["execute", "ls", "-la", "current", "directory"]
+    assert words("run it with --force, or (-v) and `-rf`") == ["run", "--force", "-v", "-rf"]
+    assert words("a well-known x-ray at -5 degrees -- not a flag") == ["well", "known", "ray", "degre", "flag"]
+    lexicon = Lexicon([["execute ls -la in the current directory"], ["sing la la la"]])
+    assert lexicon.matches("la la la la", 0) == [] and lexicon.matches("ls -la please", 0) == ["-la", "ls"]
+
+
 def test_lexicon_prefers_the_document_that_names_the_product() -> None:
     lexicon = Lexicon([["query a postgres table"], ["read a file from disk"], ["query a mysql table"]])
     scores = lexicon.scores(["postgres query please", "nothing relevant here"])
@@ -408,6 +418,9 @@ def test_fused_default_gates_route_and_abstain(fused_core: Service) -> None:
     assert hit.score is not None and hit.margin is not None and hit.candidates[0][0] == "github"
     miss = router.route("thanks, that looks great")
     assert miss.decision == "abstain" and miss.reason
+    assert router.route("la la la la").decision == "abstain"  # it matched `ls -la` word for word
+    flagged = router.route("run ls -la here")
+    assert (flagged.decision, flagged.capability) == ("activate", "shell")
     assert router.discover("postgres")[0][0] == "postgres"
     explained = router.explain("list the tables in the postgres database", limit=1)[0]
     assert explained["name"] == "postgres" and words("postgres")[0] in explained["words"]
