@@ -40,6 +40,7 @@ from capd import toml_read
 from capd.catalog import RULES, Capability, Catalog, Problem, Provider, ServerSpec, TapConfig, fingerprint
 from capd.errors import TapFileError
 from capd.fixtures import read_fixture_file
+from capd.text import recall_key, strip_tags
 
 log = logging.getLogger(__name__)
 
@@ -468,11 +469,25 @@ def load_tap_vetoes(tap: Path) -> tuple[tuple[str, ...], list[Problem]]:
     rows, errors = read_fixture_file(path, data)
     problems = [Problem("error", str(e.path), f"{e.reason}; this line vetoes nothing", e.line, code="invalid-veto")
                 for e in errors if rows or e.line is not None]  # a file of comments only is no error
+    first: dict[str, int] = {}  # a routed text -> the line that vetoes it
     for row in rows:
+        line = int(row.source.rsplit(":", 1)[1])
         if row.positive:
-            line = int(row.source.rsplit(":", 1)[1])
             problems.append(Problem("error", str(path), "a veto expects nothing (\"expect\": null), not "
                                     f"{', '.join(row.expect)}; this line vetoes nothing", line, code="invalid-veto"))
+            continue
+        key = recall_key(strip_tags(row.message))
+        if not key:
+            problems.append(Problem("error", str(path), "nothing is left of the message once its tags are removed "
+                                    "(a message routes without them); this line vetoes nothing", line,
+                                    code="invalid-veto"))
+        elif key in first:
+            problems.append(Problem("warning", str(path), f"the same message as line {first[key]} once case, "
+                                    "spacing and tags are set aside (the model sees one message): it counts as one "
+                                    "veto with it, and a veto needs two different messages to agree", line,
+                                    code="duplicate-veto"))
+        else:
+            first[key] = line
     return tuple(r.message for r in rows if not r.positive), problems
 
 

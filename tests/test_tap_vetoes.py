@@ -46,6 +46,14 @@ def test_vetoes_load_with_the_tap_and_a_bad_line_names_itself(tmp_path: Path) ->
     assert "expects nothing" in problems[1].reason and problems[1].file == str(tap / "vetoes.jsonl")
     (tap / "vetoes.jsonl").write_text("# nothing yet\n")
     assert load_tap_config(tap)[1] == []  # a file of comments is no error
+    # A line the model would read as another's message is one veto; one of tags only is none.
+    (tap / "vetoes.jsonl").write_text(_rows("Tell me a joke", "<context>x</context>", "tell me  a JOKE",
+                                            "<a>b</a> tell me a joke"))
+    config, problems = load_tap_config(tap)
+    assert [(p.line, p.code, p.severity) for p in problems] == [
+        (2, "invalid-veto", "error"), (3, "duplicate-veto", "warning"), (4, "duplicate-veto", "warning")]
+    assert "tags are removed" in problems[0].reason and "the same message as line 1" in problems[1].reason
+    assert config is not None and len(config.vetoes) == 4  # as written; the router counts them once
     (tap / "capd.toml").write_text("[gates\n")  # a broken capd.toml: the daemon keeps its last good config
     config, problems = load_tap_config(tap)
     assert config is None and problems[0].code == "invalid"
