@@ -49,6 +49,7 @@ from capd import api_docs
 from capd.capability_tool import TOOL_SCHEMA, run_capability_call
 from capd.encoder import Encoder
 from capd.errors import (
+    FAILED_START,
     CapdError,
     InvalidSessionId,
     ModelError,
@@ -463,7 +464,7 @@ def _started(request: Request) -> Service:
 
 def _check_started(service: Service) -> None:
     if service.startup_error is not None and not service.ready:  # never "warming up" forever
-        raise ApiError(503, "warming_up", f"failed to start: {service.startup_error}")
+        raise ApiError(503, "warming_up", f"{FAILED_START} {service.startup_error}")
 
 
 def _ready(request: Request) -> Service:

@@ -135,6 +135,15 @@ class Point:
                 "abstain_corpus": self.abstain_corpus}
 
 
+def _measured(point: Point, nulls: int) -> dict[str, float | int | bool | None]:
+    """A point as the report shows it: with no null row in the fit part its null_fpr was never
+    measured, so it is ``null``, as in the report's ``fit`` figures (the sweep counted it as 0)."""
+    shown: dict[str, float | int | bool | None] = {**point.as_dict()}
+    if not nulls:
+        shown["null_fpr"] = None
+    return shown
+
+
 def _passed(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
     """Per row: the index of the last grid step at or below its value (-1: below every step)."""
     return np.searchsorted(steps, values, side="right") - 1
@@ -406,11 +415,11 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         "rule": router.rule,
         "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
         "rows": counts,
-        "recommended": point.as_dict() if point else None,
+        "recommended": _measured(point, nulls) if point else None,
         "abstain_corpus": fitted.corpus,
         "vetoes": len(veto_rows),
         "offsets": {} if fitted_offsets is None else fitted_offsets.offsets,
-        "curve": [c.as_dict() for c in fitted.curve],
+        "curve": [_measured(c, nulls) for c in fitted.curve],
     }
     if error is not None:
         report["error"] = error

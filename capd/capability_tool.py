@@ -55,8 +55,10 @@ def run_capability_call(service: Service, session: str, action: str, name: str |
         found = [(n, s) for n, s in service.discover(intent, 5) if math.isfinite(s)]  # as candidates_out drops
         if not found:
             return {"text": "No capability matches that intent.", "plan": None, "candidates": []}
-        lines = [f"{n} ({s:.2f})" for n, s in found]
-        return {"text": "Best matches: " + ", ".join(lines) + ". Enable one with action 'enable'.", "plan": None,
+        # names only: under `fused` a candidate's score is its level, which need not fall down the
+        # ranking, and a model reading the numbers would re-rank by them (`candidates` carries them)
+        return {"text": "Best matches, best first: " + ", ".join(n for n, _ in found)
+                + ". Enable one with action 'enable'.", "plan": None,
                 "candidates": candidates_out(found)}
     if not name:
         return {"text": f"{action} needs a 'name'.", "plan": None, "error": "missing_name"}

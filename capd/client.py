@@ -16,7 +16,16 @@ import json
 from types import TracebackType
 from typing import Any
 
-from capd.errors import CapdError, ClientError, DaemonUnreachable, PinnedCapability, UnknownCapability, UnknownSession
+from capd.errors import (
+    FAILED_START,
+    CapdError,
+    ClientError,
+    DaemonFailedToStart,
+    DaemonUnreachable,
+    PinnedCapability,
+    UnknownCapability,
+    UnknownSession,
+)
 from capd.sessions import check_session_id
 from capd.transport import Transport, TransportError
 
@@ -41,6 +50,9 @@ def _error(status: int, payload: dict[str, Any], session: str | None, name: obje
         return UnknownCapability(name)
     if error == PinnedCapability.code and isinstance(name, str):
         return PinnedCapability(name)
+    if status == 503 and error == "warming_up" and detail.startswith(FAILED_START):
+        # not warming up: it will not answer until restarted, and the CLI exits 3 for it (DESIGN)
+        return DaemonFailedToStart(f"the daemon failed to start: {detail.removeprefix(FAILED_START).strip()}")
     return ApiError(status, error, detail)
 
 

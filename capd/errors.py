@@ -158,3 +158,11 @@ class ClientError(CapdError):
 
 class DaemonUnreachable(ClientError):
     """Nothing is listening where the client looked."""
+
+
+FAILED_START = "failed to start:"  # how the daemon's 503 detail begins after a failed start
+
+
+class DaemonFailedToStart(DaemonUnreachable):
+    """The daemon answers, but only to say its start failed: no call will succeed until it is
+    restarted (its 503 ``warming_up`` says ``failed to start: <reason>``)."""

@@ -23,8 +23,9 @@ but probably not as meant), ``info`` (worth knowing). Checks:
   are left alone);
 - routing-only capabilities (info: no provider, plans carry no servers);
 - with an encoder: near-duplicate triggers across capabilities (see :mod:`capd.lint_embed`);
-- the tap's ``fixtures/*.jsonl`` (:func:`lint_fixtures`): lines ``capd test`` refuses, unknown
-  expected capabilities (errors), repeated, conflicting, too-short and trigger-copying rows (warnings).
+- the tap's ``fixtures/*.jsonl`` and ``fixtures/floors.toml`` (:func:`lint_fixtures`): lines and a
+  floors file ``capd test`` refuses, unknown expected capabilities (errors), repeated, conflicting,
+  too-short and trigger-copying rows (warnings).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from capd.catalog import Capability, Catalog, Problem, Provider, TapConfig
+from capd.errors import FixtureError
 from capd.fixtures import Fixture, name_errors, read_fixture_file, tap_fixture_files
+from capd.floors import load_floors
 from capd.taps import _line_in_table, _line_of, trigger_lines
 from capd.text import clean_message, recall_key
 
@@ -274,6 +277,10 @@ def lint_fixtures(catalog: Catalog, min_chars: int = MIN_TRIGGER_CHARS) -> list[
             errors.extend(name_errors(rows, catalog.capabilities, broken))
             problems.extend(Problem("error", str(e.path), e.reason, e.line, code="fixture-invalid") for e in errors)
             problems.extend(_doubtful_rows(triggers, rows, min_chars, first))
+        try:
+            load_floors(tap)  # every rule's table: a mistake in any of them stops `capd test`
+        except FixtureError as exc:
+            problems.append(Problem("error", str(exc.path), exc.reason, exc.line, code="floors-invalid"))
     return problems
 
 

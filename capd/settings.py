@@ -67,11 +67,15 @@ def own_data_dir(path: Path) -> None:
     user could have filled: one owned by another user, or one every user may write to. capd loads
     models from it (ONNX exports, tuned models) and keeps users' messages in it, so a directory
     someone else controls would route with their model and read what this user types. One made
-    earlier keeps its mode; one that cannot be created or looked at is left to the stores, which
-    fall back to memory."""
+    earlier keeps its mode. A path that is a file, or lies under one, is refused: it names the wrong
+    place. One that cannot be created or looked at otherwise (a read-only disk) is left to the stores,
+    which fall back to memory."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = path.stat()
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(str(path), "data_dir", "is not a directory (a file is in the way); name a directory "
+                          "for the vector cache, session state and model exports (--data-dir)") from None
     except OSError:
         return
     if hasattr(os, "geteuid") and info.st_uid != os.geteuid():

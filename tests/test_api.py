@@ -162,6 +162,8 @@ def test_drop_session_and_capability_tool(api: TestClient) -> None:
     found = api.post("/v1/sessions/s5/capability", json={"action": "discover",
                                                          "intent": "look at the postgres schema"}).json()
     assert found["candidates"][0]["name"] == "database-postgres" and "database-postgres" in found["text"]
+    names = [c["name"] for c in found["candidates"]]  # in the ranking's order, and no scores to re-rank by
+    assert found["text"] == f"Best matches, best first: {', '.join(names)}. Enable one with action 'enable'."
     enabled = api.post("/v1/sessions/s5/capability", json={"action": "enable", "name": "database-postgres"}).json()
     assert enabled["plan"]["active"] == ["database-postgres"] and "Enabled" in enabled["text"]
     listed = api.post("/v1/sessions/s5/capability", json={"action": "list"}).json()

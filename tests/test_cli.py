@@ -118,6 +118,10 @@ def test_status_exits_3_with_the_startup_error_and_0_while_loading(serve: Serve,
     assert result.stdout.startswith("error  ready=False")
     assert "capd: the daemon failed to start: model directory" in result.stderr
     assert _capd("status", "--json", port=failed).exit_code == 3
+    for args in (["route", "show me the commits"], ["discover", "git"], ["list"], ["enable", "s1", "git"]):
+        result = _capd(*args, port=failed)  # exited 1 with "503 warming_up", as if a retry could help
+        assert result.exit_code == 3, (args, result.output)
+        assert result.stderr.startswith("capd: the daemon failed to start: model directory"), result.stderr
     assert _capd("status", port=serve()).exit_code == 0
     gate = threading.Event()
     try:
@@ -407,9 +411,12 @@ def test_capd_test_skips_hidden_fixture_files(tmp_path: Path) -> None:
 
 # -- capd index with a data directory that cannot be written ------------------------------------------------
 
-def test_index_that_stored_nothing_says_so_first_and_fails(tmp_path: Path) -> None:
+def test_index_that_stored_nothing_says_so_first_and_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """It used to print "N vectors stored" (from the in-memory cache), warn afterwards that nothing
-    was kept, and exit 0. A file where the data directory should be refuses writes even to root."""
+    was kept, and exit 0. A file where the data directory should be refuses writes even to root;
+    the start's check that refuses such a path is skipped, so that the stores meet what a read-only
+    disk gives them (that check lets a directory it cannot create through, to the stores)."""
+    monkeypatch.setattr("capd.settings.own_data_dir", lambda path: None)
     blocker = tmp_path / "a-file"
     blocker.write_text("the data directory cannot be created under a file")
     args = ["index", "--tap", str(octomind_tap(tmp_path / "tap")), "--model", "hash", "--data-dir", str(blocker / "d")]
@@ -649,8 +656,8 @@ def test_something_that_is_not_capd_is_said_in_one_line(foreign_port: int, args:
 
 def test_help_says_when_exit_code_3_happens() -> None:
     result = CliRunner().invoke(main, ["--help"])
-    assert ("3 daemon unreachable or failed to start (`capd status`), or `capd serve` could not start (address "
-            "in use, cannot bind, a data directory it must not use)") in " ".join(result.output.split())
+    assert ("3 daemon unreachable or failed to start (any command that asks it), or `capd serve` could not start "
+            "(address in use, cannot bind, a data directory it must not use)") in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("args", [["list", "--tap", ""], ["index", "--data-dir", ""], ["status", "--uds", " "],
@@ -713,3 +720,16 @@ def test_ctrl_c_stops_any_command_quietly_with_130(tmp_path: Path, monkeypatch: 
     result = _capd("index", "--tap", str(octomind_tap(tmp_path / "tap")), "--model", "hash", "--data-dir",
                    str(tmp_path / "data"))
     assert result.exit_code == 130 and "Aborted" not in result.output, result.output
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """`capd serve --help` listed --data-dir, --backend and --log-level with no description."""
+    def commands(group: click.Group, prefix: str) -> Iterator[tuple[str, click.Command]]:
+        for name, command in group.commands.items():
+            yield f"{prefix} {name}", command
+            if isinstance(command, click.Group):
+                yield from commands(command, f"{prefix} {name}")
+
+    bare = [f"{path} {'/'.join(p.opts)}" for path, command in commands(main, "capd") for p in command.params
+            if isinstance(p, click.Option) and not p.help and "--help" not in p.opts]
+    assert bare == []

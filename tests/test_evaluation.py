@@ -569,6 +569,21 @@ def test_a_tap_author_at_a_terminal_reads_what_the_json_says(model_settings: Set
     assert any(line.startswith(f"  held_out  fired_right {held_out['fired_right']:.3f}") for line in lines)
 
 
+def test_the_readmes_calibrate_example_is_what_the_command_prints(model_settings: Settings) -> None:
+    """The README's `capd calibrate --rule capd` session on taps/core went stale when its vetoes
+    changed (three curve rows): it is now checked line for line."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("$ capd calibrate --tap taps/core --rule capd --fixtures")
+    shown = readme[start:readme.index("```", start)].splitlines()[2:]  # the command takes two lines
+    core = str(default_taps()[0])
+    fixtures = [arg for name in ("positives", "abstain", "ambiguous")
+                for arg in ("--fixtures", f"{core}/fixtures/{name}.jsonl")]
+    result = CliRunner().invoke(main, ["calibrate", "--tap", core, "--rule", "capd", *fixtures,
+                                       "--data-dir", str(model_settings.data_dir)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == shown
+
+
 # -- what tap authors run into on taps under construction (found by review, 2026-11-26) -------------------
 
 def _hash(tmp_path: Path) -> list[str]:
@@ -746,6 +761,11 @@ def test_calibrate_write_refuses_gates_no_null_row_checked(tmp_path: Path) -> No
     assert not (tap / "capd.toml").exists()
     shown = CliRunner().invoke(main, [*args, "--json"])
     assert shown.exit_code == 0 and json.loads(shown.stdout)["rows"]["fit_nulls"] == 0
+    report = json.loads(shown.stdout)  # never measured, so null as in "fit" (the sweep counted 0.0)
+    assert report["recommended"]["null_fpr"] is None and {p["null_fpr"] for p in report["curve"]} == {None}
+    assert report["fit"]["null_fpr"] is None
+    text = CliRunner().invoke(main, args).stdout
+    assert re.search(r"^ +\d+ +[-0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +n/a$", text, re.M), text
     (warning,) = json.loads(shown.stdout)["warnings"]
     assert "null_fpr limit was never checked" in warning
     assert '"expect": null' in warning  # the advice was "expect": [], which the fixture reader refuses
@@ -857,3 +877,30 @@ def test_each_failing_check_lists_the_rows_that_count_against_it() -> None:
     (failure,) = ET.fromstring(junit_xml([report]).split("?>", 1)[1]).iter("failure")
     assert failure.text is not None and failure.text.splitlines() == [
         "p.jsonl:41: expected ['a'], got c (best c 0.500, margin 0.010)"]
+
+
+def test_calibrate_write_refused_still_prints_what_it_measured(tmp_path: Path) -> None:
+    """A capd.toml --write cannot edit used to end the run with the error alone: the sweep's
+    recommendation was lost, even with --json."""
+    tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
+    (tap / "capd.toml").write_text("gates = { threshold = 0.5 }\n")
+    args = ["calibrate", "--tap", str(tap), "--fixtures", str(tap / "fixtures" / "routing.jsonl"), "--write",
+            "--max-null-fpr", "1", "--max-wrong", "1", *_hash(tmp_path)]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["recommended"] is not None and report["written"] == []
+    assert "nothing written" in result.stderr and "`gates = …` holds the gates in one value" in result.stderr
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "recommended:" in result.stdout
+    assert (tap / "capd.toml").read_text() == "gates = { threshold = 0.5 }\n"
+
+
+def test_capd_test_names_a_tap_path_that_is_not_there(tmp_path: Path) -> None:
+    """A mistyped tap path was reported as a tap without fixtures."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("x\n")
+    for path, reason in ((tmp_path / "nope", "tap directory does not exist"),
+                         (a_file, "is a file, not a tap directory")):
+        result = CliRunner().invoke(main, ["test", str(path), *_hash(tmp_path)])
+        assert result.exit_code == 1 and f"{path}: {reason}" in result.output, result.output

@@ -867,3 +867,17 @@ def test_a_file_damaged_while_the_daemon_runs_keeps_its_corrections_in_memory(
         service.registry.activate("s", "python-toolchain", "manual")  # learned in memory
         assert service.apply_learned() == 2
     assert path.read_bytes() == before  # left as it is
+
+
+def test_a_learned_tap_path_that_is_not_there_is_warned_about(tmp_path: Path) -> None:
+    """A mistyped --tap listed '0 learned triggers' and exited 0, as if the tap had learned nothing."""
+    store = LearnedStore.open(tmp_path)
+    store.record(CORE, "docker", MISS, "abstain", "a")
+    store.close()
+    gone = tmp_path / "taps" / "cor"
+    for command in ("list", "export"):
+        result = CliRunner().invoke(main, ["learned", command, "--tap", str(gone), "--data-dir", str(tmp_path)])
+        assert result.exit_code == 0 and MISS not in result.stdout
+        assert f"warning: {gone}: no such tap directory" in result.stderr
+        result = CliRunner().invoke(main, ["learned", command, "--tap", str(CORE), "--data-dir", str(tmp_path)])
+        assert MISS in result.stdout and result.stderr == ""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from capd.cli import main
@@ -231,6 +232,25 @@ def test_a_message_repeated_in_another_fixture_file_of_the_tap_is_found(tmp_path
     (found,) = [p for p in report["problems"] if p["code"] == "fixture-conflict"]  # type: ignore[union-attr,index]
     assert str(found["file"]).endswith("b.jsonl") and found["line"] == 2  # type: ignore[index]
     assert "the same message as a.jsonl line 1" in found["reason"]  # type: ignore[index,operator]
+
+
+@pytest.mark.parametrize(("text", "line", "reason"), [
+    ("[floors]\nmin_top1 = 0.5\n[floor.kinds]\nchitchat = 1.0\n", 3, "floor: not part of [floors]"),
+    ('[floors]\nmin_top1 = "high"\n', 2, "min_top1"),
+    ("[floors.fused]\nmin_top1 = 2\n", 2, "min_top1"),  # another rule's table: `capd test --rule fused` stops
+])
+def test_a_floors_file_capd_test_refuses_fails_lint(tmp_path: Path, text: str, line: int, reason: str) -> None:
+    """lint passed a floors.toml that `capd test` then refused: clean, then a failed run."""
+    tap = octomind_tap(tmp_path)
+    (tap / "fixtures").mkdir()
+    (tap / "fixtures" / "floors.toml").write_text(text)
+    code, report = _lint(str(tap))
+    (found,) = [p for p in report["problems"] if p["code"] == "floors-invalid"]  # type: ignore[union-attr,index]
+    assert code == 1 and found["line"] == line and reason in found["reason"]  # type: ignore[index,operator]
+    assert str(found["file"]).endswith("fixtures/floors.toml")  # type: ignore[index]
+    (tap / "fixtures" / "floors.toml").write_text("[floors]\nmin_top1 = 0.5\n")
+    _, report = _lint(str(tap))
+    assert not [p for p in report["problems"] if p["code"] == "floors-invalid"]  # type: ignore[union-attr,index]
 
 
 def test_a_fixture_expecting_a_capability_that_failed_to_load_says_so(tmp_path: Path) -> None:

@@ -283,6 +283,23 @@ def test_a_data_directory_others_can_write_or_own_is_refused(tmp_path: Path) -> 
         own_data_dir(theirs)
 
 
+def test_a_file_as_the_data_directory_is_refused(tmp_path: Path) -> None:
+    """A file named as --data-dir ran with every store in memory and an ONNX export per start, and
+    its warning asked to make the 'directory' writable."""
+    from click.testing import CliRunner
+
+    from capd.cli import main
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("mine\n")
+    for path in (a_file, a_file / "under"):
+        with pytest.raises(ConfigError, match=r"is not a directory"):
+            own_data_dir(path)
+    result = CliRunner().invoke(main, ["serve", "--tap", str(tmp_path), "--data-dir", str(a_file), "--port", "0"])
+    assert result.exit_code == 3 and "is not a directory" in result.output, result.output
+    assert a_file.read_text() == "mine\n"
+
+
 def test_a_daemon_on_a_refused_data_directory_fails_at_once(tmp_path: Path) -> None:
     """`capd serve` says why and exits 3 (a failed start) before it listens."""
     from click.testing import CliRunner

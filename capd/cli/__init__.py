@@ -20,8 +20,8 @@ def main() -> None:
     """capd: a local capability router for AI agents.
 
     Exit codes: 0 ok, 1 error or below a floor, 2 usage, 3 daemon unreachable or failed to start
-    (`capd status`), or `capd serve` could not start (address in use, cannot bind, a data directory
-    it must not use).
+    (any command that asks it), or `capd serve` could not start (address in use, cannot bind, a data
+    directory it must not use).
     """
 
 

@@ -82,15 +82,20 @@ class PathParam(click.Path):
         return super().convert(value, param, ctx)
 
 
+# one wording per flag, for `capd serve` as for the other commands
+HELP_CONFIG = "Config file (default: $CAPD_CONFIG, else ~/.config/capd/config.toml)."
+HELP_TAPS = "Tap directory; repeat for several (order is precedence). Env: CAPD_TAPS."
+HELP_DATA_DIR = "Where the vector cache, session state and ONNX export live. Env: CAPD_DATA_DIR."
+HELP_MODEL = "Model manifest name (see `capd models`) or directory. Env: CAPD_MODEL."
+HELP_BACKEND = "Encoder backend (default auto = the faster one measured here)."
+
+
 def store_options(func: F) -> F:
     """--config, --tap, --data-dir: where capd's files are."""
     options = [
-        click.option("--config", "config", type=PathParam(), default=None,
-                     help="Config file (default: $CAPD_CONFIG, else ~/.config/capd/config.toml)."),
-        click.option("--tap", "taps", multiple=True, type=PathParam(),
-                     help="Tap directory; repeat for several (order is precedence). Env: CAPD_TAPS."),
-        click.option("--data-dir", type=PathParam(), default=None,
-                     help="Where the vector cache, session state and ONNX export live. Env: CAPD_DATA_DIR."),
+        click.option("--config", "config", type=PathParam(), default=None, help=HELP_CONFIG),
+        click.option("--tap", "taps", multiple=True, type=PathParam(), help=HELP_TAPS),
+        click.option("--data-dir", type=PathParam(), default=None, help=HELP_DATA_DIR),
     ]
     for option in reversed(options):
         func = option(func)
@@ -100,9 +105,8 @@ def store_options(func: F) -> F:
 def settings_options(func: F) -> F:
     """:func:`store_options` and --model, --backend: the settings most commands need."""
     func = click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None,
-                        help="Encoder backend (default auto = the faster one measured here).")(func)
-    func = click.option("--model", default=None, callback=setting_rule("model"),
-                        help="Model manifest name (see `capd models`) or directory. Env: CAPD_MODEL.")(func)
+                        help=HELP_BACKEND)(func)
+    func = click.option("--model", default=None, callback=setting_rule("model"), help=HELP_MODEL)(func)
     return store_options(func)
 
 

@@ -14,6 +14,11 @@ import click
 from capd.catalog import RULES
 from capd.cli.common import (
     EXIT_UNREACHABLE,
+    HELP_BACKEND,
+    HELP_CONFIG,
+    HELP_DATA_DIR,
+    HELP_MODEL,
+    HELP_TAPS,
     TEXT,
     Failed,
     PathParam,
@@ -44,21 +49,20 @@ def client_for(settings: Settings) -> CapdClient:
 def daemon_options(func: Any) -> Any:
     """--config, then where the daemon listens (--host, --port, --uds)."""
     func = connection_options(func)
-    return click.option("--config", "config", type=PathParam(), default=None,
-                        help="Config file.")(func)
+    return click.option("--config", "config", type=PathParam(), default=None, help=HELP_CONFIG)(func)
 
 
 @click.command()
-@click.option("--tap", "taps", multiple=True, type=PathParam(),
-              help="Tap directory; repeat for several. Env: CAPD_TAPS.")
+@click.option("--tap", "taps", multiple=True, type=PathParam(), help=HELP_TAPS)
 @daemon_options
-@click.option("--data-dir", type=PathParam(), default=None, help="Env: CAPD_DATA_DIR.")
-@click.option("--model", default=None, callback=setting_rule("model"), help="Model manifest name. Env: CAPD_MODEL.")
-@click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None)
+@click.option("--data-dir", type=PathParam(), default=None, help=HELP_DATA_DIR)
+@click.option("--model", default=None, callback=setting_rule("model"), help=HELP_MODEL)
+@click.option("--backend", type=click.Choice(["auto", "onnx", "torch"]), default=None, help=HELP_BACKEND)
 @click.option("--rule", type=click.Choice(RULES), default=None,
               help="Routing rule (default: CAPD_RULE, the config file, else the first tap naming one in its "
                    "capd.toml, else capd).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
+              help="How much the daemon logs (default info; `log_level` in the config file).")
 @click.option("--watch", type=click.Choice(WATCH_MODES), default=None,
               help="Live reload: auto (notifications), poll (scan: taps on network file systems) or off. "
                    "Env: CAPD_WATCH.")

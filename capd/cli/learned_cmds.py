@@ -54,7 +54,13 @@ def _tap(tap: Path | None) -> str | None:
 
 
 def _distinct(taps: tuple[Path, ...]) -> list[Path | None]:
-    """The taps given, each once (:func:`~capd.settings.distinct_taps`); ``[None]`` (every tap) when none is."""
+    """The taps given, each once (:func:`~capd.settings.distinct_taps`); ``[None]`` (every tap) when none is.
+    A path that is no tap directory is warned about on stderr, not refused: what was learned for a tap
+    that has since moved or gone can still be listed, exported and forgotten under its old path."""
+    for tap in distinct_taps(taps):
+        if not tap.is_dir():
+            click.echo(f"warning: {tap}: no such tap directory; showing what was learned under that path",
+                       err=True)
     return [*distinct_taps(taps)] or [None]
 
 
@@ -143,7 +149,8 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
 
 @learned.command()
 @store_options
-@click.option("--format", "fmt", type=click.Choice(["toml", "json"]), default="toml", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["toml", "json"]), default="toml", show_default=True,
+              help="toml: a commented table per capability to review; json: {suggestions: [...]}.")
 def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, fmt: str) -> None:
     """Learned triggers as suggested triggers for tap authors, and learned abstains as messages
     that wrongly activated a capability (stdout; nothing is written).

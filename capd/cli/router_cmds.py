@@ -29,6 +29,7 @@ from capd.cli.common import (
     write_file,
 )
 from capd.cli.daemon_cmds import client_for
+from capd.errors import TapFileError
 from capd.settings import Settings, for_one_tap
 from capd.text import clean_message
 
@@ -230,6 +231,9 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
                           rule=rule)
     reports: list[dict[str, Any]] = []
     for tap in base.taps:
+        if not tap.is_dir():  # a mistyped path is not a tap without fixtures
+            raise Failed(f"{tap}: " + ("is a file, not a tap directory" if tap.exists() else
+                                       "tap directory does not exist"))
         files = tap_fixture_files(tap)
         if not files:
             raise Failed(f"{tap}: no fixtures/*.jsonl to test")
@@ -319,6 +323,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
                              vetoes=not no_vetoes, offsets=with_offsets)
     point = report["recommended"]
     refused = write and point is not None and NO_NULLS in report["warnings"]
+    write_refused = ""  # why a tap file cannot take the recommendation
     if write:  # every edit made and checked before any file is written
         catalog = service.catalog_now()
 
@@ -326,11 +331,19 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
             return {name: value for name, value in report["offsets"].items()
                     if (capability := catalog.get(name)) is not None and capability.tap == tap}
 
-        edits = [] if point is None or refused else [
-            gates_edit(Path(t), point, service.gate_model, settings.rule, own_offsets(Path(t))) for t in settings.taps]
-        rows = fit_vetoes(fixtures, settings.rule) if edits and not no_vetoes else []
-        vetoes = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
-        report["written"] = [str(edit.write()) for edit in edits] + [str(write_vetoes(e)) for e in vetoes]
+        report["written"] = []  # what was written before any refusal, so a refusal still reports it
+        try:
+            edits = [] if point is None or refused else [
+                gates_edit(Path(t), point, service.gate_model, settings.rule, own_offsets(Path(t)))
+                for t in settings.taps]
+            rows = fit_vetoes(fixtures, settings.rule) if edits and not no_vetoes else []
+            vetoes = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
+            for edit in edits:
+                report["written"].append(str(edit.write()))
+            for veto_edit in vetoes:
+                report["written"].append(str(write_vetoes(veto_edit)))
+        except TapFileError as exc:  # the sweep's result is still printed below: only the write is refused
+            write_refused = str(exc)
     if not as_json:
         for warning in report.get("warnings", []):
             click.echo(f"warning: {warning}", err=True)
@@ -345,7 +358,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
         for p in report["curve"][:: max(1, len(report["curve"]) // 15)]:
             coverage = f" {p['coverage']:>8.2f}" if fused else ""
             click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f}{coverage} "
-                       f"{p['fired_right']:>11.3f} {p['fired_wrong']:>11.3f} {p['null_fpr']:>8.3f}")
+                       f"{p['fired_right']:>11.3f} {p['fired_wrong']:>11.3f} {_fmt(p['null_fpr']):>8}")
         if point is None:
             click.echo(report.get("error") or "no gate setting meets the limits", err=True)
         else:
@@ -357,7 +370,8 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
             if report["rule"] != "anchor":  # the anchor's rule has no vetoes
                 click.echo(f"  fit fired_right without the abstain corpus {_fmt(tried['without'])}, "
                            f"with it {_fmt(tried['with'])} (kept when it adds {CORPUS_MIN_GAIN} or more)")
-                click.echo(f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
+                click.echo("  fitted without the tap's vetoes (--no-vetoes)" if no_vetoes else
+                           f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
                            + (" (--write adds them to vetoes.jsonl)" if report["vetoes"] else ""))
             if fused and with_offsets:
                 moved = sorted(report["offsets"].items(), key=lambda item: -abs(item[1]))
@@ -377,5 +391,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
                 click.echo(f"wrote {path}")
     if refused:  # after the report, so that --json still prints it
         raise Failed(f"nothing written: {NO_NULLS}")
+    if write_refused:
+        raise Failed(f"nothing written: {write_refused}")
     if point is None:
         raise SystemExit(EXIT_ERROR)

@@ -434,15 +434,23 @@ def _diff(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> str:
 
 
 
-def test_data_dir_that_cannot_be_created_serves_from_memory(tmp_path: Path) -> None:
-    """The same without root tricks: the data directory would have to be created under a file."""
+def test_data_dir_that_cannot_be_created_serves_from_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same without root tricks: the data directory would have to be created under a file.
+    The start refuses such a path (a mistyped --data-dir, checked first below); the stores behind
+    that check, which meet a directory it could not create (a read-only disk), are then checked
+    with the check skipped."""
+    from capd.errors import ConfigError
     from capd.service import Service
     from capd.settings import Settings
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    service = Service(Settings(model="hash", taps=(fleet_tap(tmp_path),), data_dir=blocker / "data"),
-                      sessions=True).start()
+    settings = Settings(model="hash", taps=(fleet_tap(tmp_path),), data_dir=blocker / "data")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        Service(settings, sessions=True).start()
+    assert blocker.read_text() == "not a directory"
+    monkeypatch.setattr("capd.service.own_data_dir", lambda path: None)
+    service = Service(settings, sessions=True).start()
     try:
         assert service.registry is not None and not service.registry.store.persistent
         assert service.registry.activate("m", "k8s").active == ("k8s",)
