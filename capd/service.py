@@ -28,7 +28,7 @@ from capd.batching import MicroBatcher
 from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
 from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
-from capd.errors import ModelError, StateError, Stopping, UnknownCapability
+from capd.errors import FAILED_START, ModelError, StateError, Stopping, UnknownCapability
 from capd.fits import RuleFits, fitting_threads
 from capd.fused import TOKEN_BUDGET
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
@@ -649,7 +649,7 @@ class Service:
         snapshot = self._snapshot
         if snapshot is None:
             if self.startup_error is not None:  # never ready: say why rather than "warming up" forever
-                return RouteResult(Decision("skipped", f"failed to start: {self.startup_error}"))
+                return RouteResult(Decision("skipped", f"{FAILED_START} {self.startup_error}"))
             return RouteResult(Decision("skipped", "warming up: the model and index are loading"))
         text, long_enough = clean_message(message, snapshot.router.min_chars)
         return snapshot, text if long_enough else None

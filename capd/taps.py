@@ -590,11 +590,17 @@ def capability_dirs(tap: Path) -> tuple[list[Path], list[Problem]]:
     return folders, problems
 
 
+def not_a_tap_directory(tap: Path) -> str | None:
+    """Why ``tap`` is no directory at all (a file, or nothing there), or None when it is one."""
+    if tap.is_dir():
+        return None
+    return "is a file, not a tap directory" if tap.exists() else "tap directory does not exist"
+
+
 def load_tap(tap: Path) -> TapLoad:
     """Load every capability of one tap; broken ones are reported and skipped."""
     problems: list[Problem] = []
-    if not tap.is_dir():
-        reason = "is a file, not a tap directory" if tap.exists() else "tap directory does not exist"
+    if (reason := not_a_tap_directory(tap)) is not None:
         return [], [Problem("error", str(tap), reason, code="missing-tap")], None
     if not (tap / "capabilities").is_dir():
         problems.append(Problem("error", str(tap), "not a tap: no capabilities/ directory", code="missing-tap"))

@@ -57,11 +57,12 @@ def _distinct(taps: tuple[Path, ...]) -> list[Path | None]:
     """The taps given, each once (:func:`~capd.settings.distinct_taps`); ``[None]`` (every tap) when none is.
     A path that is no tap directory is warned about on stderr, not refused: what was learned for a tap
     that has since moved or gone can still be listed, exported and forgotten under its old path."""
-    for tap in distinct_taps(taps):
+    given = distinct_taps(taps)
+    for tap in given:
         if not tap.is_dir():
             click.echo(f"warning: {tap}: no such tap directory; showing what was learned under that path",
                        err=True)
-    return [*distinct_taps(taps)] or [None]
+    return [*given] or [None]
 
 
 @click.group()

@@ -31,6 +31,7 @@ from capd.cli.common import (
 from capd.cli.daemon_cmds import client_for
 from capd.errors import TapFileError
 from capd.settings import Settings, for_one_tap
+from capd.taps import not_a_tap_directory
 from capd.text import clean_message
 
 
@@ -231,9 +232,8 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
                           rule=rule)
     reports: list[dict[str, Any]] = []
     for tap in base.taps:
-        if not tap.is_dir():  # a mistyped path is not a tap without fixtures
-            raise Failed(f"{tap}: " + ("is a file, not a tap directory" if tap.exists() else
-                                       "tap directory does not exist"))
+        if (reason := not_a_tap_directory(tap)) is not None:  # a mistyped path is not a tap without fixtures
+            raise Failed(f"{tap}: {reason}")
         files = tap_fixture_files(tap)
         if not files:
             raise Failed(f"{tap}: no fixtures/*.jsonl to test")
