@@ -103,7 +103,7 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
     ``not_own_veto``: a row is not vetoed by a veto equal to its own message (:meth:`Router.refusals`).
     ``offsets`` (``fused``; ``[rows, capabilities]``, in the router's column order) are added to
     each row's scores before its winner is taken: ``capd calibrate`` scores each fit row with
-    offsets fitted without it (:class:`capd.calibrate.OffsetFit`).
+    offsets fitted without it (:class:`capd.offsets.OffsetFit`).
 
     ``vectors`` and ``tokens`` come from :func:`embed_fixtures`; ``fused`` given vectors
     without tokens embeds the messages again for them. Raises CapdError when no capability can

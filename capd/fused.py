@@ -244,7 +244,7 @@ class FusedHead:
         """``knn``: mean-of-top-k example cosines ``[n, C]``; ``vectors``: the messages' unit vectors;
         ``tokens``: their token vectors, for the second stage (without them there is none);
         ``offsets``: ``[C]`` added to every message's ``F`` last, after the second stage (the
-        calibrated per-capability offsets, :func:`capd.calibrate.fit_offsets`)."""
+        calibrated per-capability offsets, :func:`capd.offsets.fit_offsets`)."""
         weight, bias = self.weight, self.bias
         with_head = weight is not None and bias is not None and self.mix > 0
         fused = (1 - self.mix if with_head else 1.0) * _log_softmax(knn / TEMPERATURE)

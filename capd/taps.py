@@ -521,7 +521,7 @@ def tap_config(path: Path, table: Mapping[str, Any], text: str) -> TapConfig:
 
 def _offsets(check: _Checker, raw: Mapping[str, Any]) -> dict[str, float]:
     """``[gates.fused.offsets]``: capability name -> a number added to its fused score (``capd
-    calibrate``'s per-capability offsets, :func:`capd.calibrate.fit_offsets`). A name the tap does
+    calibrate``'s per-capability offsets, :func:`capd.offsets.fit_offsets`). A name the tap does
     not define is kept and changes nothing (the capability may come back)."""
     offsets: dict[str, float] = {}
     for name, value in raw.items():

@@ -698,12 +698,12 @@ def test_calibrate_write_follows_a_link_in_the_tap_and_refuses_one_out(tmp_path:
 
 def test_calibrate_write_that_cannot_write_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An OSError from the rename (a read-only or immutable tap) came out as a traceback."""
-    import capd.calibrate
+    import capd.calibrate_write
 
     def refuse(path: Path, text: str) -> None:
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(capd.calibrate.atomic, "write_text", refuse)
+    monkeypatch.setattr(capd.calibrate_write.atomic, "write_text", refuse)
     tap = _tap_with_fixtures(tmp_path / "tap", "[floors]\nmin_top1 = 0.0\n")
     result = CliRunner().invoke(main, ["calibrate", "--tap", str(tap), "--fixtures",
                                        str(tap / "fixtures" / "routing.jsonl"), "--write", "--max-null-fpr", "1",

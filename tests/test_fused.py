@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from capd import fused as fused_module
-from capd.calibrate import FUSED_GRID, calibrate, split, write_gates
+from capd.calibrate import FUSED_GRID, calibrate, split
+from capd.calibrate_write import write_gates
 from capd.catalog import Capability
 from capd.encoder import Encoder, HashEncoder, TokenVectors, Vectors
 from capd.errors import Stopping, TapFileError

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import OFFSET_MIN_ROWS, fit_offsets
 from capd.catalog import Catalog
 from capd.cli import main
 from capd.evaluation import ScoreTable
 from capd.fixtures import Fixture
 from capd.gates import Gates, build_gatebook
 from capd.lint import lint_catalog
+from capd.offsets import OFFSET_MIN_ROWS, fit_offsets
 from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog, load_tap_config

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import calibrate, fit_vetoes, split, vetoes_edit
+from capd.calibrate import calibrate, fit_vetoes, split
+from capd.calibrate_write import vetoes_edit
 from capd.cli import main
 from capd.evaluation import score_table
 from capd.fixtures import Fixture, load_fixtures

@@ -19,7 +19,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capd.calibrate import write_gates
+from capd.calibrate_write import write_gates
 from capd.toml_edit import same
 
 MODEL = "all-minilm-l6-v2"

@@ -292,7 +292,7 @@ def coverage_lines(result: dict[str, Any]) -> list[str]:
 def offset_lines(result: dict[str, Any]) -> list[str]:
     """``capd calibrate --offsets``: the summary with them, and calibrated without → with them."""
     lines = ["`capd calibrate --offsets` also fits a number per capability that the fused rule adds to its score "
-             "(`[gates.fused.offsets]`; `capd/calibrate.py`, `fit_offsets`): the offsets that minimise the fit "
+             "(`[gates.fused.offsets]`; `capd/offsets.py`, `fit_offsets`): the offsets that minimise the fit "
              "positives' cross-entropy, L2-penalised with the penalty chosen by 5-fold cross-validation, and each "
              "fit row scored with offsets fitted without its fold while the gates are fitted. Opt-in. Before = "
              "anchor, calibrated; after = fused, calibrated with the offsets (and the vetoes), held-out:", "",

@@ -8,7 +8,7 @@ Per set, top1 on the fit and held-out positives (the split ``capd calibrate`` us
 
 - ``shipped``: the fused rule as shipped;
 - ``offsets``: with the per-capability offsets ``capd calibrate --offsets`` fits on the fit part
-  (:func:`capd.calibrate.fit_offsets`; fit rows scored out of fold, as the gates see them);
+  (:func:`capd.offsets.fit_offsets`; fit rows scored out of fold, as the gates see them);
 - ``offsets + second stage``: the offsets fitted jointly with one more weight per tap for the
   second stage (late interaction over the ``--candidates`` best capabilities, shipped 5; 0 = every
   capability): ``F + β'·(M − max M) + d``, the same cross-entropy, penalty and folds as the offsets.
@@ -38,10 +38,11 @@ import numpy as np
 import capd.router
 from benchmarks.quality.run import SETS, chosen_sets, trial_bench, trial_parser, write_report
 from capd import fused
-from capd.calibrate import OFFSET_FOLDS, OFFSET_MIN_ROWS, OFFSET_PENALTIES, fit_offsets, split
+from capd.calibrate import split
 from capd.catalog import Capability
 from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import Fixture, load_fixtures
+from capd.offsets import OFFSET_FOLDS, OFFSET_MIN_ROWS, OFFSET_PENALTIES, fit_offsets
 
 ExampleTexts = Callable[..., tuple[str, ...]]
 
@@ -141,7 +142,7 @@ def _loss(scores: np.ndarray, matches: np.ndarray, labels: np.ndarray, fit: tupl
 
 def second_stage_fit(table: ScoreTable, matches: np.ndarray, fit_rows: np.ndarray) -> tuple[float, np.ndarray]:
     """β' and what each row is scored with (``[rows, capabilities]`` added to F): fit rows out of
-    fold, as :func:`capd.calibrate.fit_offsets` scores them, the others with the full fit."""
+    fold, as :func:`capd.offsets.fit_offsets` scores them, the others with the full fit."""
     single = table.expected.sum(axis=1) == 1
     chosen = np.asarray([r for r in fit_rows if table.positive[r] and single[r] and table.routable[r]], dtype=np.int64)
     scores, labels = table.scores.astype(np.float64), table.expected.argmax(axis=1)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -33,6 +34,9 @@ from capd.errors import TapFileError
 from capd.settings import Settings, for_one_tap
 from capd.taps import not_a_tap_directory
 from capd.text import clean_message
+
+if TYPE_CHECKING:
+    from capd.fixtures import Fixture
 
 
 def _service(settings: Settings) -> Any:
@@ -309,7 +313,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
 
     Example: capd calibrate --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --write
     """
-    from capd.calibrate import CORPUS_MIN_GAIN, NO_NULLS, fit_vetoes, gates_edit, vetoes_edit, write_vetoes
+    from capd.calibrate import NO_NULLS
     from capd.calibrate import calibrate as run_calibration
     from capd.fixtures import check_names, load_fixtures
 
@@ -323,75 +327,96 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
                              vetoes=not no_vetoes, offsets=with_offsets)
     point = report["recommended"]
     refused = write and point is not None and NO_NULLS in report["warnings"]
-    write_refused = ""  # why a tap file cannot take the recommendation
-    if write:  # every edit made and checked before any file is written
-        catalog = service.catalog_now()
-
-        def own_offsets(tap: Path) -> dict[str, float]:  # each tap stores its own capabilities' offsets
-            return {name: value for name, value in report["offsets"].items()
-                    if (capability := catalog.get(name)) is not None and capability.tap == tap}
-
-        report["written"] = []  # what was written before any refusal, so a refusal still reports it
-        try:
-            edits = [] if point is None or refused else [
-                gates_edit(Path(t), point, service.gate_model, settings.rule, own_offsets(Path(t)))
-                for t in settings.taps]
-            rows = fit_vetoes(fixtures, settings.rule) if edits and not no_vetoes else []
-            vetoes = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
-            for edit in edits:
-                report["written"].append(str(edit.write()))
-            for veto_edit in vetoes:
-                report["written"].append(str(write_vetoes(veto_edit)))
-        except TapFileError as exc:  # the sweep's result is still printed below: only the write is refused
-            write_refused = str(exc)
-    if not as_json:
-        for warning in report.get("warnings", []):
-            click.echo(f"warning: {warning}", err=True)
+    write_refused = _write_calibration(report, service, settings, fixtures, refused, no_vetoes) if write else ""
     if as_json:
         emit_json(report)
     else:
-        click.echo(f"fit on {report['rows']['fit']} rows, checked on {report['rows']['held_out']} held-out rows; "
-                   f"limits null_fpr <= {max_null_fpr}, fired_wrong <= {max_wrong}")
-        click.echo("operating curve (best point per threshold):")
-        fused = report["rule"] == "fused"  # only it has a coverage gate
-        click.echo("  top_k threshold margin" + (" coverage" if fused else "") + " fired_right fired_wrong null_fpr")
-        for p in report["curve"][:: max(1, len(report["curve"]) // 15)]:
-            coverage = f" {p['coverage']:>8.2f}" if fused else ""
-            click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f}{coverage} "
-                       f"{p['fired_right']:>11.3f} {p['fired_wrong']:>11.3f} {_fmt(p['null_fpr']):>8}")
-        if point is None:
-            click.echo(report.get("error") or "no gate setting meets the limits", err=True)
-        else:
-            coverage = f", coverage {point['coverage']:.2f}" if fused else ""
-            click.echo(f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, "
-                       f"margin {point['margin']:.3f}{coverage}, "
-                       f"abstain corpus {'on' if point['abstain_corpus'] else 'off'}")
-            tried = report["abstain_corpus"]
-            if report["rule"] != "anchor":  # the anchor's rule has no vetoes
-                click.echo(f"  fit fired_right without the abstain corpus {_fmt(tried['without'])}, "
-                           f"with it {_fmt(tried['with'])} (kept when it adds {CORPUS_MIN_GAIN} or more)")
-                click.echo("  fitted without the tap's vetoes (--no-vetoes)" if no_vetoes else
-                           f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
-                           + (" (--write adds them to vetoes.jsonl)" if report["vetoes"] else ""))
-            if fused and with_offsets:
-                moved = sorted(report["offsets"].items(), key=lambda item: -abs(item[1]))
-                click.echo(f"  per-capability offsets: {len(moved)}" + ("" if not moved else " (largest: " + ", ".join(
-                    f"{name} {value:+.2f}" for name, value in moved[:3]) + "; --write stores them in capd.toml)"))
-            for label in ("fit", "held_out"):
-                m = report[label]
-                click.echo(f"  {label:<9} fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}"
-                           f"  null_fpr {_fmt(m['null_fpr'])}  top1 {_fmt(m['top1'])}")
-            if "auto_gates" in report:  # what the tap gets without these gates (fused: capd/autogates.py)
-                auto, m = report["auto_gates"]["gates"], report["auto_gates"]["held_out"]
-                click.echo(f"  without calibration (auto gates {auto['threshold']:.2f} / {auto['margin']:.3f} / "
-                           f"coverage {auto['coverage']:.2f}), "
-                           f"held_out fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}  "
-                           f"null_fpr {_fmt(m['null_fpr'])}")
-            for path in report.get("written", []):
-                click.echo(f"wrote {path}")
+        _echo_calibration(report, max_null_fpr, max_wrong, no_vetoes, with_offsets)
     if refused:  # after the report, so that --json still prints it
         raise Failed(f"nothing written: {NO_NULLS}")
     if write_refused:
         raise Failed(f"nothing written: {write_refused}")
     if point is None:
         raise SystemExit(EXIT_ERROR)
+
+
+def _write_calibration(report: dict[str, Any], service: Any, settings: Settings, fixtures: Sequence[Fixture],
+                       refused: bool, no_vetoes: bool) -> str:
+    """``--write``: every edit made and checked before any file is written (the gates and offsets in
+    each tap's ``capd.toml``, the fit part's null rows in its ``vetoes.jsonl``). ``report["written"]``
+    lists what was written, also before a refusal; returns why a tap file cannot take the
+    recommendation ("" when none)."""
+    from capd.calibrate import fit_vetoes
+    from capd.calibrate_write import gates_edit, vetoes_edit, write_vetoes
+
+    point = report["recommended"]
+    catalog = service.catalog_now()
+
+    def own_offsets(tap: Path) -> dict[str, float]:  # each tap stores its own capabilities' offsets
+        return {name: value for name, value in report["offsets"].items()
+                if (capability := catalog.get(name)) is not None and capability.tap == tap}
+
+    report["written"] = []
+    try:
+        edits = [] if point is None or refused else [
+            gates_edit(Path(t), point, service.gate_model, settings.rule, own_offsets(Path(t)))
+            for t in settings.taps]
+        rows = fit_vetoes(fixtures, settings.rule) if edits and not no_vetoes else []
+        vetoes = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
+        for edit in edits:
+            report["written"].append(str(edit.write()))
+        for veto_edit in vetoes:
+            report["written"].append(str(write_vetoes(veto_edit)))
+    except TapFileError as exc:  # the sweep's result is still printed: only the write is refused
+        return str(exc)
+    return ""
+
+
+def _echo_calibration(report: dict[str, Any], max_null_fpr: float, max_wrong: float, no_vetoes: bool,
+                      with_offsets: bool) -> None:
+    """``capd calibrate``'s text report: warnings on stderr, then the curve, the recommendation and
+    its fit / held-out figures, what the tap gets without calibration, and the files written."""
+    from capd.calibrate import CORPUS_MIN_GAIN
+
+    for warning in report.get("warnings", []):
+        click.echo(f"warning: {warning}", err=True)
+    point = report["recommended"]
+    click.echo(f"fit on {report['rows']['fit']} rows, checked on {report['rows']['held_out']} held-out rows; "
+               f"limits null_fpr <= {max_null_fpr}, fired_wrong <= {max_wrong}")
+    click.echo("operating curve (best point per threshold):")
+    fused = report["rule"] == "fused"  # only it has a coverage gate
+    click.echo("  top_k threshold margin" + (" coverage" if fused else "") + " fired_right fired_wrong null_fpr")
+    for p in report["curve"][:: max(1, len(report["curve"]) // 15)]:
+        coverage = f" {p['coverage']:>8.2f}" if fused else ""
+        click.echo(f"  {p['top_k']:>5} {p['threshold']:>9.2f} {p['margin']:>6.3f}{coverage} "
+                   f"{p['fired_right']:>11.3f} {p['fired_wrong']:>11.3f} {_fmt(p['null_fpr']):>8}")
+    if point is None:
+        click.echo(report.get("error") or "no gate setting meets the limits", err=True)
+    else:
+        coverage = f", coverage {point['coverage']:.2f}" if fused else ""
+        click.echo(f"recommended: top_k {point['top_k']}, threshold {point['threshold']:.2f}, "
+                   f"margin {point['margin']:.3f}{coverage}, "
+                   f"abstain corpus {'on' if point['abstain_corpus'] else 'off'}")
+        tried = report["abstain_corpus"]
+        if report["rule"] != "anchor":  # the anchor's rule has no vetoes
+            click.echo(f"  fit fired_right without the abstain corpus {_fmt(tried['without'])}, "
+                       f"with it {_fmt(tried['with'])} (kept when it adds {CORPUS_MIN_GAIN} or more)")
+            click.echo("  fitted without the tap's vetoes (--no-vetoes)" if no_vetoes else
+                       f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
+                       + (" (--write adds them to vetoes.jsonl)" if report["vetoes"] else ""))
+        if fused and with_offsets:
+            moved = sorted(report["offsets"].items(), key=lambda item: -abs(item[1]))
+            click.echo(f"  per-capability offsets: {len(moved)}" + ("" if not moved else " (largest: " + ", ".join(
+                f"{name} {value:+.2f}" for name, value in moved[:3]) + "; --write stores them in capd.toml)"))
+        for label in ("fit", "held_out"):
+            m = report[label]
+            click.echo(f"  {label:<9} fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}"
+                       f"  null_fpr {_fmt(m['null_fpr'])}  top1 {_fmt(m['top1'])}")
+        if "auto_gates" in report:  # what the tap gets without these gates (fused: capd/autogates.py)
+            auto, m = report["auto_gates"]["gates"], report["auto_gates"]["held_out"]
+            click.echo(f"  without calibration (auto gates {auto['threshold']:.2f} / {auto['margin']:.3f} / "
+                       f"coverage {auto['coverage']:.2f}), "
+                       f"held_out fired_right {_fmt(m['fired_right'])}  fired_wrong {_fmt(m['fired_wrong'])}  "
+                       f"null_fpr {_fmt(m['null_fpr'])}")
+        for path in report.get("written", []):
+            click.echo(f"wrote {path}")
