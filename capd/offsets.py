@@ -2,10 +2,9 @@
 
 A number per capability that the fused rule adds to its score ``F`` (``[gates.fused.offsets]``
 of a tap's ``capd.toml``; :func:`capd.taps.tap_config` reads them, :mod:`capd.calibrate_write`
-writes them). :func:`fit_offsets` fits them on the fit part's positives, and each row it was fitted
-on is scored with the offsets fitted without its fold while the gates are fitted (else the gates
-would be fitted on rows the offsets had already learned). Opt-in: held out they lifted top1 on
-four of six sets but left a limit a row or two over on others (``benchmarks/quality/README.md``).
+writes them), fitted on the fit part's positives by :func:`fit_offsets`. Opt-in: held out they
+lifted top1 on four of six sets but left a limit a row or two over on others
+(``benchmarks/quality/README.md``).
 """
 
 from __future__ import annotations
