@@ -13,10 +13,12 @@
 - Every response is counted in ``capd_requests_total``, those the guard gives before routing
   (401, 413 by Content-Length) under the route the request was for.
 - Bad input the framework would let through is refused too, with a reason: a query parameter an
-  endpoint does not know (422, as an unknown body field is: ``?sesion=`` must not act without a
-  session), an encoded slash in a session id (422: ``victim%2Fenable`` reached session ``victim``),
-  and a JSON body that gives a key twice (the last one won silently), is not UTF-8, nests too
-  deeply or holds a number over Python's digit limit (422 naming it, not a bare 400).
+  endpoint does not know or that is given twice (422, as an unknown or repeated body field is:
+  ``?sesion=`` must not act without a session), an encoded slash in a session id (422:
+  ``victim%2Fenable`` reached session ``victim``), and a JSON body that gives a key twice (the
+  last one won silently), is not UTF-8, nests too deeply or holds a number over Python's digit
+  limit (422 naming it, not a bare 400).
+- Every session id that is not one (path, query, body, encoded slash) answers ``invalid_session_id``.
 - ``HEAD`` is answered wherever ``GET`` is, and a 405 lists every method its path allows.
 """
 
@@ -228,7 +230,8 @@ def _install_handlers(app: FastAPI) -> None:
             # `curl -d '{…}'` sends a form: the JSON is there, but not read as JSON
             sent = f"as {kind}" if kind else "without a content type"
             detail += f" (the body was sent {sent}; send Content-Type: application/json)"
-        return _error(422, "invalid_request", detail)
+        code = InvalidSessionId.code if any(_is_session_id_error(e) for e in exc.errors()) else "invalid_request"
+        return _error(422, code, detail)
 
     statuses: list[tuple[type[CapdError], int]] = [
         (UnknownSession, 404), (UnknownCapability, 404), (InvalidSessionId, 422), (PinnedCapability, 409),
@@ -482,15 +485,27 @@ def _registry(request: Request) -> Any:
 
 
 def _reason(error: Mapping[str, Any]) -> str:
-    """A validation error's message; a session id that breaks its pattern gets the rule in words,
+    """A validation error's message; a session id that breaks its pattern or length gets the rule in words,
     as the session calls answer it, not the regular expression; a body that is not JSON says
     what the parser found (FastAPI's message is "JSON decode error" alone)."""
     ctx = error.get("ctx") or {}
-    if error.get("type") == "string_pattern_mismatch" and ctx.get("pattern") == SESSION_PATTERN:
+    if _is_session_id_error(error):
         return f"invalid session id: {InvalidSessionId.rule}"
     if error.get("type") == "json_invalid" and ctx.get("error"):
         return f"invalid JSON: {ctx['error']}"
     return str(error["msg"])
+
+
+def _is_session_id_error(error: Mapping[str, Any]) -> bool:
+    """Whether a validation error is a session id that is not one (its pattern or length), in the
+    path, the query or a body: all of them answer ``invalid_session_id``, as the session calls and
+    an encoded slash do, whatever else the request got wrong (the detail lists it all)."""
+    loc = error.get("loc") or ()
+    if not loc or loc[-1] != "session":
+        return False
+    kind, pattern = error.get("type"), (error.get("ctx") or {}).get("pattern")
+    return kind in ("string_too_short", "string_too_long") or (kind == "string_pattern_mismatch"
+                                                                and pattern == SESSION_PATTERN)
 
 
 def _media_type(content_type: str) -> str:
@@ -528,10 +543,11 @@ def _query_names(dependant: Dependant) -> set[str]:
 def _refusal(scope: Scope) -> JSONResponse | None:
     """Bad input the routes would take without a word: an encoded slash in a path (the session id is
     the only path parameter; ``victim%2Fenable`` is decoded before routing and enabled in session
-    ``victim``), and a query parameter an API endpoint (``/v1/…``) does not declare."""
+    ``victim``), and a query parameter an API endpoint (``/v1/…``) does not declare or that is given
+    more than once."""
     raw_path = scope.get("raw_path", b"")
     if b"%" in raw_path and b"%2f" in raw_path.lower() and scope["path"].startswith("/v1/sessions/"):
-        return _error(422, InvalidSessionId.code, f"invalid session id: {InvalidSessionId.rule}")
+        return _error(422, InvalidSessionId.code, f"path.session: invalid session id: {InvalidSessionId.rule}")
     query = scope.get("query_string", b"")
     if not query or not scope["path"].startswith("/v1/"):  # the API's own endpoints (not /docs, /metrics)
         return None
@@ -539,11 +555,15 @@ def _refusal(scope: Scope) -> JSONResponse | None:
     if not isinstance(route, APIRoute):
         return None  # no such endpoint, or not this method: the router's 404 or 405 says so
     known = _query_names(route.dependant)
-    unknown = [name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True) if name not in known]
-    if not unknown:
+    names = [name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True)]
+    problems = [f"query.{name}: Extra inputs are not permitted" for name in dict.fromkeys(names) if name not in known]
+    # the framework keeps the last of a repeated parameter (?session=a&session=b listed b), as a
+    # JSON parser keeps the last of a repeated key: both are refused rather than guessed
+    problems += [f"query.{name}: given {names.count(name)} times" for name in dict.fromkeys(names)
+                 if name in known and names.count(name) > 1]
+    if not problems:
         return None
-    return _error(422, "invalid_request", "; ".join(f"query.{name}: Extra inputs are not permitted"
-                                                    for name in dict.fromkeys(unknown)))
+    return _error(422, "invalid_request", "; ".join(problems))
 
 
 async def _route(service: Service, body: RouteBody, gone: threading.Event | None = None) -> Response:

@@ -381,7 +381,7 @@ class LearnedStore:
         """The file's matching rows that are corrections, remembered (:attr:`_read`) while it is used."""
         with self._cursor() as conn:
             spellings = self._spellings(conn, tap)
-            where, args = _filters(spellings, capability, None, kind)
+            where, args = _filters(spellings, capability, kind)
             rows = conn.execute(f"SELECT rowid, tap, capability, message, previous, session, created, kind FROM "
                                 f"learned{where} ORDER BY tap, capability, kind DESC, created, message",
                                 args).fetchall()
@@ -422,11 +422,14 @@ class LearnedStore:
 
     def forget(self, tap: Path | str | None = None, capability: str | None = None,
                message: str | None = None, kind: str | None = None) -> int:
-        """Delete matching entries (all of them when nothing is given); returns how many."""
+        """Delete matching entries (all of them when nothing is given); returns how many. ``message``
+        matches as routing knows a message again (:func:`~capd.text.recall_key`: case and runs of
+        white space aside), so the text as the user typed it finds what was stored."""
         with self._cursor() as conn:  # (no RETURNING: older SQLite builds lack it)
-            where, args = _filters(self._spellings(conn, tap), capability, message, kind)
-            deleted = set(conn.execute(f"SELECT tap, capability, message FROM learned{where}", args))
-            conn.execute(f"DELETE FROM learned{where}", args)
+            where, args = _filters(self._spellings(conn, tap), capability, kind)
+            deleted = {row for row in conn.execute(f"SELECT tap, capability, message FROM learned{where}", args)
+                       if message is None or recall_key(row[2]) == recall_key(message)}
+            conn.executemany("DELETE FROM learned WHERE tap = ? AND capability = ? AND message = ?", sorted(deleted))
         with self._lock:
             held = [key for key, e in self._unsaved.items() if _matches(e, tap, capability, message, kind)]
             for key in held:
@@ -582,7 +585,7 @@ def canonical_tap(tap: Path | str) -> str:
     return printable(os.path.realpath(os.path.expanduser(str(tap))))
 
 
-def _filters(taps: Sequence[str] | None, capability: str | None, message: str | None,
+def _filters(taps: Sequence[str] | None, capability: str | None,
              kind: str | None = None) -> tuple[str, tuple[str, ...]]:
     """A WHERE clause: ``taps`` are the spellings of one tap (:meth:`LearnedStore._spellings`)."""
     clauses: list[str] = []
@@ -590,7 +593,7 @@ def _filters(taps: Sequence[str] | None, capability: str | None, message: str | 
     if taps is not None:
         clauses.append(f"tap IN ({', '.join('?' * len(taps))})")
         args += taps
-    for column, value in (("capability", capability), ("message", message), ("kind", kind)):
+    for column, value in (("capability", capability), ("kind", kind)):
         if value is not None:
             clauses.append(f"{column} = ?")
             args.append(value)
@@ -602,7 +605,9 @@ def _matches(entry: Learned, tap: Path | str | None = None, capability: str | No
     """:func:`_filters` for an entry held in memory."""
     if tap is not None and canonical_tap(entry.tap) != canonical_tap(tap):
         return False
-    wanted = {"capability": capability, "message": message, "kind": kind}
+    if message is not None and recall_key(entry.message) != recall_key(message):
+        return False
+    wanted = {"capability": capability, "kind": kind}
     return all(getattr(entry, column) == value for column, value in wanted.items() if value is not None)
 
 

@@ -26,7 +26,8 @@ SessionPath = Annotated[str, Path(min_length=1, max_length=128, pattern=SESSION_
 
 
 def _json_integer(value: object) -> object:
-    if isinstance(value, (bool, str)):  # pydantic's lax mode would take true as 1 and "5" as 5
+    # pydantic's lax mode would take true as 1, "5" as 5 and 5.0 as 5
+    if isinstance(value, (bool, str, float)):
         raise ValueError("must be a JSON integer")
     return value
 

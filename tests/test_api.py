@@ -139,6 +139,15 @@ def test_errors_are_json_4xx(api: TestClient) -> None:
     assert api.post("/v1/discover", json={"intent": "x", "limit": 0}).status_code == 422
 
 
+@pytest.mark.parametrize("limit", [5.0, 2.5, "5", True])
+def test_discover_limit_must_be_a_json_integer(api: TestClient, limit: object) -> None:
+    """``"limit": 5.0`` was taken as 5 while ``"5"`` and ``true`` were refused "must be a JSON integer"."""
+    answer = api.post("/v1/discover", json={"intent": "postgres", "limit": limit})
+    assert answer.status_code == 422 and answer.json() == {"error": "invalid_request",
+                                                           "detail": "body.limit: Value error, must be a JSON integer"}
+    assert len(api.post("/v1/discover", json={"intent": "postgres", "limit": 2}).json()["candidates"]) == 2
+
+
 def test_the_capability_tool_says_what_changed(tmp_path: Path) -> None:
     """It answered "Disabled X." for X that was not active, and did not name what an enable evicted."""
     settings = Settings(taps=(octomind_tap(tmp_path),), data_dir=tmp_path / "d", model="hash", max_active=1)

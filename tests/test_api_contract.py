@@ -284,6 +284,41 @@ def test_an_unknown_query_parameter_is_a_422_naming_it(settings_factory: Setting
         assert client.get("/metrics?name=x").status_code == 200  # not the API's own: a scraper may add its own
 
 
+def test_a_query_parameter_given_twice_is_refused(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """``?session=a&session=b`` listed session b's capabilities: the framework keeps the last of a
+    repeated parameter, as JSON parsers keep the last of a repeated key (refused in a body)."""
+    settings = settings_factory(taps=(docker_and_postgres(tmp_path / "tap"),))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        client.post("/v1/sessions/b/enable", json={"name": "docker"})
+        answer = client.get("/v1/capabilities?session=a&session=b")
+        assert answer.status_code == 422 and answer.json() == {"error": "invalid_request",
+                                                               "detail": "query.session: given 2 times"}
+        both = client.get("/v1/capabilities?session=a&sesion=x&session=a")
+        assert both.json()["detail"] == "query.sesion: Extra inputs are not permitted; query.session: given 2 times"
+        listed = client.get("/v1/capabilities?session=b").json()["capabilities"]
+        assert [c["name"] for c in listed if c["active"]] == ["docker"]
+
+
+def test_every_invalid_session_id_answers_one_code(settings_factory: SettingsFactory, tmp_path: Path) -> None:
+    """A session id that broke its pattern or length answered ``invalid_request`` from the path, the
+    query and a body, but ``invalid_session_id`` from an encoded slash and the capability tool: a
+    client had two codes to check for one mistake."""
+    settings = settings_factory(taps=(docker_and_postgres(tmp_path / "tap"),))
+    with local_client(create_app(settings, watch=False, warm_in_background=False)) as client:
+        for method, path, body in [("GET", "/v1/sessions/bad%20id", None), ("GET", "/v1/sessions/...", None),
+                                   ("GET", "/v1/capabilities?session=", None),
+                                   ("GET", f"/v1/capabilities?session={'s' * 129}", None),
+                                   ("POST", "/v1/route", {"session": "a b", "message": "list the running containers"}),
+                                   ("POST", "/v1/route", {"session": "a b", "message": 42}),  # and another problem
+                                   ("POST", "/v1/sessions/a%2Fb/enable", {"name": "docker"})]:
+            answer = client.request(method, path, json=body)
+            assert answer.status_code == 422 and answer.json()["error"] == "invalid_session_id", (path, answer.text)
+            assert "session: invalid session id: use 1 to 128 characters" in answer.json()["detail"], answer.text
+        mixed = client.post("/v1/route", json={"session": "a b", "message": 42}).json()["detail"]
+        assert "body.session: invalid session id" in mixed and "body.message" in mixed
+        assert client.post("/v1/route", json={"session": "ab", "message": 42}).json()["error"] == "invalid_request"
+
+
 def test_an_encoded_slash_in_a_session_id_is_refused(settings_factory: SettingsFactory, tmp_path: Path) -> None:
     """``POST /v1/sessions/victim%2Fenable`` was decoded before routing and enabled the capability in
     session ``victim``."""

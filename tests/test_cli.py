@@ -674,7 +674,7 @@ def test_an_empty_session_is_refused_by_list_as_by_route(serve: Serve) -> None:
     marked active, as if the session had nothing on; ``route --session ""`` is refused."""
     port = serve()
     listed = _capd("list", "--session", "", port=port)
-    assert listed.exit_code == 1 and listed.stdout == "" and "422 invalid_request: query.session" in listed.stderr
+    assert listed.exit_code == 1 and listed.stdout == "" and "422 invalid_session_id: query.session" in listed.stderr
     # the rule in words, not the regular expression behind it
     for args in (["list", "--session", "bad/id"], ["route", "hello there friend", "--session", "é"]):
         refused = _capd(*args, port=port)

@@ -49,6 +49,29 @@ def test_store_records_once_lists_and_forgets(tmp_path: Path) -> None:
     assert reopened.forget() == 2 and reopened.entries() == []
 
 
+def test_forget_finds_a_message_as_routing_knows_it_again(tmp_path: Path) -> None:
+    """``capd learned forget --message`` matched the stored text byte for byte: the message as the
+    user remembered it, in other case or spacing, forgot nothing, though routing treats the two as
+    one message (:func:`~capd.text.recall_key`)."""
+    path = tmp_path / "learned.sqlite3"
+    store = LearnedStore(path, timeout=0.05)
+    store.record(CORE, "docker", MISS)
+    store.record(CORE, "docker", "the boxes will not start")
+    store.record(CORE, "git", MISS.upper())
+    assert store.forget(capability="docker", message="  The THING with the boxes   is slow again") == 1
+    assert [(e.capability, e.message) for e in store.entries()] == [
+        ("docker", "the boxes will not start"), ("git", MISS.upper())]
+    with file_held(path):  # a correction held in memory is matched the same way
+        store.record(CORE, "go", "Run The Go Tests")
+        assert store.forget(message="run the go tests") == 1 and store.unsaved == 0
+    store.close()
+    result = CliRunner().invoke(main, ["learned", "forget", "git", "--message", MISS.title(),
+                                       "--data-dir", str(tmp_path), "--port", "1", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["forgotten"] == 1, result.output
+    with closing(LearnedStore(path)) as reopened:
+        assert [e.message for e in reopened.entries()] == ["the boxes will not start"]
+
+
 def test_store_keeps_one_kind_per_message_the_latest(tmp_path: Path) -> None:
     store = LearnedStore.open(tmp_path)
     assert store.record(CORE, "memory", CHATTER, "memory", "s1", kind="abstain")

@@ -106,7 +106,7 @@ def list_learned(config: Path | None, taps: tuple[Path, ...], data_dir: Path | N
 @click.argument("capability", type=TEXT, required=False)
 @store_options
 @connection_options
-@click.option("--message", type=TEXT, default=None, help="Only this exact message.")
+@click.option("--message", type=TEXT, default=None, help="Only this message (case and spacing aside).")
 @click.option("--all", "everything", is_flag=True, help="Forget every learned example (of --tap when given).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], data_dir: Path | None,
