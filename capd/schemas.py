@@ -26,8 +26,10 @@ SessionPath = Annotated[str, Path(min_length=1, max_length=128, pattern=SESSION_
 
 
 def _json_integer(value: object) -> object:
-    # pydantic's lax mode would take true as 1, "5" as 5 and 5.0 as 5
-    if isinstance(value, (bool, str, float)):
+    """An integer as JSON Schema has it (the OpenAPI document's ``integer``): a number with no
+    fractional part, ``5.0`` included (a schema-driven client may send it so), never ``true`` or
+    ``"5"``, which pydantic's lax mode would take as 1 and 5."""
+    if isinstance(value, (bool, str)):
         raise ValueError("must be a JSON integer")
     return value
 

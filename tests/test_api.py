@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from starlette.types import Receive, Scope, Send
 
 import capd.api
+import capd.api_guard
 from capd.api import create_app, upkeep
 from capd.encoder import HashEncoder, Vectors
 from capd.errors import ModelError
@@ -139,13 +140,16 @@ def test_errors_are_json_4xx(api: TestClient) -> None:
     assert api.post("/v1/discover", json={"intent": "x", "limit": 0}).status_code == 422
 
 
-@pytest.mark.parametrize("limit", [5.0, 2.5, "5", True])
-def test_discover_limit_must_be_a_json_integer(api: TestClient, limit: object) -> None:
-    """``"limit": 5.0`` was taken as 5 while ``"5"`` and ``true`` were refused "must be a JSON integer"."""
-    answer = api.post("/v1/discover", json={"intent": "postgres", "limit": limit})
-    assert answer.status_code == 422 and answer.json() == {"error": "invalid_request",
-                                                           "detail": "body.limit: Value error, must be a JSON integer"}
-    assert len(api.post("/v1/discover", json={"intent": "postgres", "limit": 2}).json()["candidates"]) == 2
+def test_discover_limit_is_an_integer_as_json_schema_has_it(api: TestClient) -> None:
+    """The OpenAPI document says ``integer``, which JSON Schema defines as a number without a
+    fractional part: ``2.0`` is 2 (a schema-driven client may send it); ``2.5``, ``"2"`` and ``true``
+    (pydantic's lax mode would take the last two) are refused."""
+    for limit in (2, 2.0):
+        assert len(api.post("/v1/discover", json={"intent": "postgres", "limit": limit}).json()["candidates"]) == 2
+    for limit, reason in ((2.5, "fractional part"), ("2", "must be a JSON integer"), (True, "must be a JSON integer")):
+        answer = api.post("/v1/discover", json={"intent": "postgres", "limit": limit})
+        assert answer.status_code == 422 and answer.json()["error"] == "invalid_request", answer.text
+        assert reason in answer.json()["detail"], answer.text
 
 
 def test_the_capability_tool_says_what_changed(tmp_path: Path) -> None:
@@ -186,7 +190,7 @@ def test_drop_session_and_capability_tool(api: TestClient) -> None:
 
 def test_the_fast_route_path_answers_exactly_as_the_fastapi_route(tmp_path: Path, model_settings: Settings,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """``POST /v1/route`` skips FastAPI's routing (capd.api._FastRoute). Every request here, good or
+    """``POST /v1/route`` skips FastAPI's routing (capd.api_guard.FastRoute). Every request here, good or
     bad, gets the same status, body and content type with it as from the FastAPI route alone."""
     json_type = {"content-type": "application/json"}
     requests: list[tuple[bytes, dict[str, str]]] = [
@@ -222,10 +226,10 @@ def test_the_fast_route_path_answers_exactly_as_the_fastapi_route(tmp_path: Path
 
     fast = answers("fast")
 
-    async def to_fastapi(self: capd.api._FastRoute, scope: Scope, receive: Receive, send: Send) -> None:
+    async def to_fastapi(self: capd.api_guard.FastRoute, scope: Scope, receive: Receive, send: Send) -> None:
         await self.app(scope, receive, send)
 
-    monkeypatch.setattr(capd.api._FastRoute, "__call__", to_fastapi)  # every request through FastAPI's route
+    monkeypatch.setattr(capd.api_guard.FastRoute, "__call__", to_fastapi)  # every request through FastAPI's route
     assert answers("fastapi") == fast
     statuses = [status for status, _, _ in fast[:-1]]
     assert statuses == [200, 200, 200, 413, 422, 422, 422, 422, 422, 422, 422, 422, 422, 200], statuses
@@ -572,5 +576,5 @@ def test_a_server_spec_with_toml_dates_and_times_is_served_as_iso_strings(settin
                                                                     "1979-05-27T07:32:00+00:00")
         assert client.get("/v1/sessions/s1").status_code == 200 and client.get("/v1/capabilities").status_code == 200
         routed = client.post("/v1/route", json={"session": "s2", "message": "a capability whose server has dates"})
-        assert routed.status_code == 200, routed.text  # the route's own JSON encoder (capd.api._json)
+        assert routed.status_code == 200, routed.text  # the route's own JSON encoder (capd.api_http.json_response)
         assert routed.json()["plan"]["start"][0]["server"]["since"] == "1979-05-27"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from capd.api import MAX_BODY_BYTES, create_app
+from capd.api import create_app
+from capd.api_http import MAX_BODY_BYTES
 from capd.encoder import HashEncoder, Vectors
 from capd.metrics import Metrics
 from tests.conftest import GatedEncoder, SettingsFactory
