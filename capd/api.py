@@ -1,7 +1,8 @@
 """The HTTP API (DESIGN.md "HTTP API", v1), as a FastAPI app whose lifespan owns every resource.
 
 - Errors are JSON ``{"error": code, "detail": text}`` with a 4xx status for bad input.
-- Bodies over ``MAX_BODY_BYTES`` and messages over ``MAX_MESSAGE_BYTES`` get 413.
+- Bodies over ``MAX_BODY_BYTES`` and messages over ``MAX_MESSAGE_BYTES`` get 413; a body not in
+  whole within ``BODY_S`` of its head gets 408, its connection closed.
 - With a token configured, every endpoint (docs and metrics included) needs
   ``Authorization: Bearer <token>``.
 - While the model loads, ``/v1/health`` says ``ready: false``, ``/v1/route`` answers

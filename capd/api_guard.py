@@ -16,10 +16,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from capd import api_http
 from capd.api_http import (
     BODY_TOO_LARGE,
     MAX_BODY_BYTES,
     ApiError,
+    BodyLate,
     BodyTooLarge,
     check_size,
     check_started,
@@ -84,15 +86,25 @@ class Guard:
         status = 500
         started = False
         received = 0
+        body_by: float | None = asyncio.get_running_loop().time() + api_http.BODY_S  # None: the body is in
 
         async def receive_counting() -> Message:
             # A chunked body has no Content-Length: count what actually arrives.
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_by
+            if body_by is None:  # after the body: the wait for a disconnect (a route under way) has no limit
+                message = await receive()
+            else:
+                try:
+                    async with asyncio.timeout_at(body_by):
+                        message = await receive()
+                except TimeoutError:
+                    raise BodyLate() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > MAX_BODY_BYTES:
                     raise BodyTooLarge()
+                if not message.get("more_body", False):
+                    body_by = None
             return message
 
         async def send_noting_status(message: Message) -> None:
@@ -106,11 +118,12 @@ class Guard:
         fast = scope["method"] == "POST" and scope["path"] == ROUTE_PATH
         try:
             await (self.fast_route if fast else self.app)(scope, receive_counting, send_noting_status)
-        except BodyTooLarge:  # read outside a route's handlers (they answer it themselves)
+        except (BodyTooLarge, BodyLate) as exc:  # read outside a route's handlers (they answer it themselves)
             if started:
                 raise
-            status = 413
-            await error_response(413, "too_large", BODY_TOO_LARGE)(scope, receive, send)
+            status = exc.status_code
+            code = "too_large" if isinstance(exc, BodyTooLarge) else "timeout"
+            await error_response(status, code, exc.detail, dict(exc.headers or {}))(scope, receive, send)
         except Exception:  # a bug, not bad input: log it, answer JSON
             log.exception("internal error on %s %s", scope["method"], scope["path"])
             if started:

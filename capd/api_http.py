@@ -40,6 +40,10 @@ from capd.text import DuplicateKey, finite, printable_strings, unique_keys
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_BODY_BYTES = 256 * 1024
 BODY_TOO_LARGE = f"request body over {MAX_BODY_BYTES} bytes"
+# How long a request's body may take to arrive, from its head (capd.daemon's HEADERS_S bounds the head).
+# A body is at most MAX_BODY_BYTES from a local client: milliseconds. A client that sent a head and
+# part of its body, then stalled (a suspended agent), held its connection and a request task for good.
+BODY_S = 10.0
 
 
 class ApiError(Exception):
@@ -145,6 +149,16 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, BODY_TOO_LARGE)
 
 
+class BodyLate(StarletteHTTPException):
+    """Raised by the guard's ``receive`` when a body has not arrived within :data:`BODY_S` of the
+    request's head: 408, and the connection closed (the rest of the body, if it came, would be read
+    as the next request). An HTTP exception for the reason :class:`BodyTooLarge` is."""
+
+    def __init__(self) -> None:
+        super().__init__(408, f"the request body did not arrive within {BODY_S:g} s of its head",
+                         headers={"Connection": "close"})
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -153,7 +167,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Routing and body-parsing errors (404, 405, unreadable JSON) get capd's shape too.
-        codes = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+        codes = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large"}
         headers = dict(exc.headers) if exc.headers else {}
         if exc.status_code == 405:  # Starlette names the methods of the first route on the path only
             headers["Allow"] = ", ".join(_allowed_methods(request.scope))

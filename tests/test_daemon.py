@@ -443,9 +443,10 @@ def test_a_daemon_at_the_kernels_inotify_limit_scans_its_taps(tmp_path: Path, li
 
 # -- stopping: a stalled client, a failed start ----------------------------------------------------------
 
-def _start_with(tmp_path: Path, port: int, constant: str, value: float) -> subprocess.Popen[bytes]:
-    """``capd serve`` (hash model) with one of capd.daemon's timing constants shortened."""
-    shortened = (f"import sys; from capd import daemon; daemon.{constant} = {value!r}; "
+def _start_with(tmp_path: Path, port: int, constant: str, value: float,
+                module: str = "daemon") -> subprocess.Popen[bytes]:
+    """``capd serve`` (hash model) with one of ``capd.<module>``'s timing constants shortened."""
+    shortened = (f"import sys; from capd import {module}; {module}.{constant} = {value!r}; "
                  "from capd.cli import main; main(prog_name='capd')")
     return subprocess.Popen([sys.executable, "-c", shortened, "serve", *_hash_args(tmp_path), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -515,6 +516,43 @@ def test_a_connection_that_sends_no_request_head_in_time_is_closed(tmp_path: Pat
         assert _response(served).startswith(b"HTTP/1.1 200")
         for conn in (silent, partial, served):
             conn.close()
+        assert client.health()["ready"]
+    finally:
+        client.close()
+        _stop(proc)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_closed(tmp_path: Path) -> None:
+    """A client that sent a request's head and part of its body, then stalled (a suspended agent),
+    held its connection and a request task for good: ``HEADERS_S`` bounds the head only. The body
+    now has ``BODY_S`` from the head (shortened here); one that arrives in pieces within it is served."""
+    port = _free_port()
+    proc = _start_with(tmp_path, port, "BODY_S", 0.5, module="api_http")
+    client = CapdClient(f"http://127.0.0.1:{port}")
+    head = b"HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: "
+    try:
+        _wait_ready(client, proc)
+        for path in (b"/v1/route", b"/v1/sessions/s1/enable"):  # the guard's fast path, and FastAPI's reading
+            with socket.create_connection(("127.0.0.1", port)) as stalled:
+                stalled.settimeout(5)
+                stalled.sendall(b"POST " + path + b" " + head + b'100\r\n\r\n{"session"')
+                answer = _response(stalled)
+                assert answer.startswith(b"HTTP/1.1 408"), answer
+                assert b'"error":"timeout"' in answer and b"did not arrive within 0.5 s" in answer
+                assert stalled.recv(1) == b""  # closed: the rest of the body would read as a new request
+        body = b'{"session": "s1", "message": "read the file notes.txt in this folder"}'
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.settimeout(5)
+            slow.sendall(b"POST /v1/route " + head + str(len(body)).encode() + b"\r\n\r\n" + body[:20])
+            time.sleep(0.2)
+            slow.sendall(body[20:])
+            assert _response(slow).startswith(b"HTTP/1.1 200")
+        scrape = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        scrape.request("GET", "/metrics")
+        metrics = scrape.getresponse().read().decode()
+        scrape.close()
+        for path in ("/v1/route", "/v1/sessions/{session}/enable"):
+            assert f'path="{path}",status="408"' in metrics, metrics
         assert client.health()["ready"]
     finally:
         client.close()
