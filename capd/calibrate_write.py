@@ -22,7 +22,8 @@ from capd import atomic, toml_edit
 from capd.errors import TapFileError
 from capd.fixtures import Fixture, read_fixture_file
 from capd.router import veto_text
-from capd.taps import GATE_KEYS, SWITCH, TAP_VETOES, read_tap_file, tap_config
+from capd.tap_config import GATE_KEYS, SWITCH, TAP_VETOES, tap_config
+from capd.tap_files import read_tap_file
 from capd.text import recall_key
 from capd.toml_edit import KeyPath, render_key
 

@@ -34,7 +34,7 @@ from xml.etree import ElementTree as ET
 
 from capd.catalog import RULES
 from capd.errors import FixtureError, TapFileError
-from capd.taps import _line_in_table, _line_of, parse_toml
+from capd.tap_files import line_in_table, line_of, parse_toml
 
 FLOORS_FILE = "floors.toml"
 _MINIMA = {"min_top1": "top1", "min_fired_right": "fired_right"}
@@ -53,7 +53,7 @@ class Floors:
 def _key_line(text: str, section: str, key: str) -> int | None:
     """The line of ``key = …`` inside the ``[section]`` table, else of ``[section.key]`` (or of a table
     under it, ``[section.key.kinds]``), else of the section's header (best effort, for error messages)."""
-    entry = _line_in_table(text, section, key)
+    entry = line_in_table(text, section, key)
     if entry is not None:
         return entry
     header = re.compile(rf"^[ \t]*\[\s*{re.escape(section)}\s*\]", re.M).search(text)
@@ -68,7 +68,7 @@ def _top_line(text: str, key: str) -> int | None:
     header = re.compile(rf"^[ \t]*\[\s*{re.escape(key)}\s*[.\]]", re.M).search(text)
     if header is not None:
         return text.count("\n", 0, header.start()) + 1
-    return _line_of(text, key)
+    return line_of(text, key)
 
 
 class _Reader:
@@ -128,7 +128,7 @@ def load_floors(tap: Path, rule: str | None = None) -> Floors:
                                      "e.g. [floors.kinds], [floors.fused])", _top_line(text, key))
     floors = table.get("floors", {})
     if not isinstance(floors, dict):
-        raise FixtureError(path, "[floors] must be a table", _line_of(text, "floors"))
+        raise FixtureError(path, "[floors] must be a table", line_of(text, "floors"))
     base, per_rule = _Reader(path, text).table("floors", floors, rules=True)
     own = per_rule.get(rule) if rule is not None else None
     if own is None:

@@ -42,7 +42,7 @@ from capd.catalog import Capability, Catalog, Problem, Provider, TapConfig
 from capd.errors import FixtureError
 from capd.fixtures import Fixture, name_errors, read_fixture_file, tap_fixture_files
 from capd.floors import load_floors
-from capd.taps import _line_in_table, _line_of, trigger_lines
+from capd.tap_files import line_in_table, line_of, trigger_lines
 from capd.text import clean_message, recall_key
 
 MIN_TRIGGER_CHARS = 8
@@ -62,13 +62,13 @@ def _trigger_line(capability: Capability, trigger: str, nth: int = 0,
     except (OSError, UnicodeDecodeError):
         return None
     lines = [line for value, line in trigger_lines(text) if key(value) == key(trigger)]
-    return lines[nth] if len(lines) > nth else lines[-1] if lines else _line_of(text, "triggers")
+    return lines[nth] if len(lines) > nth else lines[-1] if lines else line_of(text, "triggers")
 
 
 def _server_line(text: str, name: str, nth: int = 0) -> int | None:
     """The line of the ``nth`` ``name = "<name>"`` of a provider file, else of its first ``name``."""
     found = list(re.finditer(rf"^[ \t]*name\s*=\s*[\"']{re.escape(name)}[\"']", text, re.M))
-    return text.count("\n", 0, found[nth].start()) + 1 if len(found) > nth else _line_of(text, "name")
+    return text.count("\n", 0, found[nth].start()) + 1 if len(found) > nth else line_of(text, "name")
 
 
 def _check_provider(capability: Capability) -> Iterable[Problem]:
@@ -87,15 +87,15 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
     for ref in provider.server_refs:
         if ref not in defined:
             yield Problem("error", str(provider.path), f"server_refs names {ref!r}, but no [[mcp.servers]] entry "
-                          "has that name", _line_of(text, "server_refs"), capability.name, "unknown-server-ref")
+                          "has that name", line_of(text, "server_refs"), capability.name, "unknown-server-ref")
     if provider.servers and not provider.server_refs:
         yield Problem("warning", str(provider.path), "no [roles.mcp] server_refs: capd starts every server defined "
                       "here, octomind (which reads the same tap) starts none; name them in server_refs",
-                      _line_of(text, "roles.mcp") or _server_line(text, provider.servers[0].name), capability.name,
+                      line_of(text, "roles.mcp") or _server_line(text, provider.servers[0].name), capability.name,
                       "no-server-refs")
     for name in capability.ungranted:
         yield Problem("warning", str(provider.path), f"server {name!r} is referenced, but allowed_tools grants it no "
-                      "tool: it is not started (as in octomind)", _line_of(text, "allowed_tools"), capability.name,
+                      "tool: it is not started (as in octomind)", line_of(text, "allowed_tools"), capability.name,
                       "ungranted-server")
     yield from _check_servers(capability, provider, text)
     used = set(provider.server_refs) or defined
@@ -103,7 +103,7 @@ def _check_provider(capability: Capability) -> Iterable[Problem]:
         scope, sep, _ = pattern.partition(":")
         if sep and scope not in used:
             yield Problem("warning", str(provider.path), f"allowed_tools entry {pattern!r} names server {scope!r}, "
-                          "which this capability does not start; it is ignored", _line_of(text, "allowed_tools"),
+                          "which this capability does not start; it is ignored", line_of(text, "allowed_tools"),
                           capability.name, "unknown-tool-server")
 
 
@@ -167,7 +167,7 @@ def _check_keys(capability: Capability) -> Iterable[Problem]:
         meant = difflib.get_close_matches(key, CONFIG_KEYS, n=1, cutoff=0.75)
         if meant:
             yield Problem("warning", str(config), f"key {key!r} is not one capd reads; did you mean {meant[0]!r}?",
-                          _line_of(text, key), capability.name, "unknown-key")
+                          line_of(text, key), capability.name, "unknown-key")
 
 
 def _cross_duplicates(catalog: Catalog) -> Iterable[Problem]:
@@ -211,7 +211,7 @@ def _ignored_rules(catalog: Catalog) -> Iterable[Problem]:
             first = config
         elif config.rule != first.rule:
             try:
-                line = _line_of(config.path.read_text(encoding="utf-8", errors="replace"), "rule")
+                line = line_of(config.path.read_text(encoding="utf-8", errors="replace"), "rule")
             except OSError:
                 line = None
             yield Problem("warning", str(config.path), f"rule {config.rule!r} is not used: {first.path} names "
@@ -234,7 +234,7 @@ def _stray_offsets(catalog: Catalog) -> Iterable[Problem]:
                     text = config.path.read_text(encoding="utf-8", errors="replace")
                 except OSError:
                     text = ""
-            line = _line_in_table(text, "gates.fused.offsets", name)
+            line = line_in_table(text, "gates.fused.offsets", name)
             owner = "" if capability is None else f" ({name!r} is {capability.tap}'s, which comes first)"
             yield Problem("warning", str(config.path), f"offset for {name!r}, which this tap does not route{owner}: "
                           "it changes nothing; calibrate again (capd calibrate --offsets --write) or delete the line",

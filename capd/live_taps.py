@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capd.catalog import Capability, Catalog, Problem, TapConfig
-from capd.taps import TapLoad, assemble, capability_dirs, load_capability, load_tap_config
+from capd.tap_config import load_tap_config
+from capd.taps import TapLoad, assemble, capability_dirs, load_capability
 
 log = logging.getLogger(__name__)
 

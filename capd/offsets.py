@@ -1,7 +1,7 @@
 """Per-capability offsets for the fused rule (``capd calibrate --offsets``).
 
 A number per capability that the fused rule adds to its score ``F`` (``[gates.fused.offsets]``
-of a tap's ``capd.toml``; :func:`capd.taps.tap_config` reads them, :mod:`capd.calibrate_write`
+of a tap's ``capd.toml``; :func:`capd.tap_config.tap_config` reads them, :mod:`capd.calibrate_write`
 writes them), fitted on the fit part's positives by :func:`fit_offsets`. Opt-in: held out they
 lifted top1 on four of six sets but left a limit a row or two over on others
 (``benchmarks/quality/README.md``).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from capd.evaluation import ScoreTable
-from capd.taps import MAX_OFFSET
+from capd.tap_config import MAX_OFFSET
 
 OFFSET_PENALTIES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)  # λ tried for the offsets; each tap's is chosen by CV
 OFFSET_FOLDS = 5

@@ -23,7 +23,8 @@ import platformdirs
 from capd.catalog import RULES
 from capd.errors import ConfigError, TapFileError
 from capd.learned import MAX_PER_CAPABILITY
-from capd.taps import MAX_FILE_BYTES, _line_of, load_tap_config, parse_toml_bytes
+from capd.tap_config import load_tap_config
+from capd.tap_files import MAX_FILE_BYTES, line_of, parse_toml_bytes
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +369,7 @@ def _convert(source: str, key: str, value: object, line: int | None = None) -> o
 def read_config_file(path: Path) -> dict[str, object]:
     """Read a config file's settings; unknown keys and bad values are errors naming the key and
     its line. Read as tap files are: a leading BOM is fine, a pipe is refused, not waited on, and at
-    most :data:`~capd.taps.MAX_FILE_BYTES` are read (``--config /dev/null`` is an empty file, a
+    most :data:`~capd.tap_files.MAX_FILE_BYTES` are read (``--config /dev/null`` is an empty file, a
     device that never ends is refused)."""
     try:
         mode = path.stat().st_mode
@@ -387,15 +388,15 @@ def read_config_file(path: Path) -> dict[str, object]:
         raise ConfigError(str(path), None, exc.reason, exc.line) from None
     table = raw.get("capd", raw)
     if not isinstance(table, dict):
-        raise ConfigError(str(path), "capd", "must be a table", _line_of(text, "capd"))
+        raise ConfigError(str(path), "capd", "must be a table", line_of(text, "capd"))
     stray = [key for key in raw if key != "capd"] if table is not raw else []
     if stray:
         raise ConfigError(str(path), None, f"{', '.join(stray)}: outside the [capd] table, where they would be "
                                            "ignored; move them under [capd] (or drop the [capd] header)",
-                          _line_of(text, stray[0]))
+                          line_of(text, stray[0]))
     out: dict[str, object] = {}
     for key, value in table.items():
-        line = _line_of(text, key)
+        line = line_of(text, key)
         if key not in _CONVERTERS:
             known = ", ".join(sorted(_CONVERTERS))
             raise ConfigError(str(path), key, f"unknown setting (known: {known})", line)

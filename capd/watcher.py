@@ -30,7 +30,7 @@ from watchdog.utils.dirsnapshot import DirectorySnapshot
 
 from capd.catalog import Problem
 from capd.errors import Stopping
-from capd.taps import TAP_VETOES
+from capd.tap_config import TAP_VETOES
 
 if TYPE_CHECKING:
     from capd.service import Service

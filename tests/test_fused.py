@@ -37,7 +37,7 @@ from capd.report_html import render
 from capd.router import Router, abstain_corpus, example_texts
 from capd.service import Service
 from capd.settings import Settings, default_taps
-from capd.taps import load_tap_config
+from capd.tap_config import load_tap_config
 from tests.conftest import SettingsFactory
 from tests.taputil import docker_and_postgres, write_capability
 

@@ -23,7 +23,8 @@ from capd.lint import lint_catalog
 from capd.offsets import OFFSET_MIN_ROWS, fit_offsets
 from capd.service import Service
 from capd.settings import Settings
-from capd.taps import load_catalog, load_tap_config
+from capd.tap_config import load_tap_config
+from capd.taps import load_catalog
 from tests.taputil import EVALSETS, calibrated_evalset, octomind_tap
 
 CORE = Path(__file__).resolve().parent.parent / "taps" / "core"

@@ -22,7 +22,7 @@ from capd.evaluation import score_table
 from capd.fixtures import Fixture, load_fixtures
 from capd.service import Service
 from capd.settings import Settings
-from capd.taps import load_tap_config
+from capd.tap_config import load_tap_config
 from tests.taputil import EVALSETS, calibrated_evalset, octomind_tap
 
 CORE = Path(__file__).resolve().parent.parent / "taps" / "core"

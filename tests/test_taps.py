@@ -10,7 +10,8 @@ import pytest
 from capd.catalog import tool_allowed, tools_for_server
 from capd.live_taps import LiveTaps
 from capd.settings import default_taps
-from capd.taps import MAX_FILE_BYTES, load_catalog
+from capd.tap_files import MAX_FILE_BYTES
+from capd.taps import load_catalog
 from tests.taputil import POSTGRES_PROVIDER, octomind_tap, write_capability
 
 
