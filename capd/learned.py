@@ -2,7 +2,7 @@
 
 Two corrections are recorded for a capability's tap, each keyed by the routed message:
 
-- **trigger**: the agent manually enables capability X within :data:`WINDOW` routed turns
+- **trigger**: the agent manually enables capability X within :data:`~capd.corrections.WINDOW` routed turns
   after a message that abstained, or activated (or found already active) another capability:
   *(that message → X)*. It counts as an extra trigger of X.
 - **abstain**: the agent manually disables capability Y right after the message that
@@ -23,14 +23,9 @@ fused head's fit without bound. Learned entries:
 - are listed, forgotten and exported (triggers as suggested triggers, abstains as messages
   to review) by ``capd learned``.
 
-Decisions where the issue is silent: only the most recent qualifying turn is taken (a
-manual enable corrects one message); a turn is used once, except that a refused turn can
-still be corrected by an enable (*message → X* after Y was refused; enabling Y itself again
-records *message → Y*, so the agent's last word wins); turns that
-were ``skipped`` (too short) are passed over; a turn that routed to X itself means there is
-nothing to learn; the recent turns are kept in memory, so a restart forgets them (not the
-learned entries). A data directory that cannot be written keeps learned entries in memory; so does
-a file that will not take a correction later (locked, disk full), until a write or a
+Which turn an enable or a disable corrects is :mod:`capd.corrections`. A data directory that
+cannot be written keeps learned entries in memory; so does a file that will not take a
+correction later (locked, disk full), until a write or a
 :meth:`LearnedStore.version` check succeeds (:meth:`LearnedStore.close` tries once more). Such a
 held-back correction lives in the daemon only: ``capd learned forget``, another process, does not
 see it until it is stored.
@@ -59,7 +54,6 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import astuple, dataclass, replace
@@ -72,12 +66,10 @@ from capd.text import printable, recall_key
 
 log = logging.getLogger(__name__)
 
-WINDOW = 3  # routed turns within which a manual enable counts as a correction
 # Per capability and kind. Taps here have 5-30 triggers per capability: 100 lets corrections
 # outnumber a capability's own triggers several times over, and bounds what one agent can add.
 MAX_PER_CAPABILITY = 100
 WRITE_WAIT = 5.0  # seconds a write waits for another process's lock on the file
-MAX_SESSIONS = 10_000  # sessions whose recent turns are remembered (least recently routed forgotten first)
 FILE_NAME = "learned.sqlite3"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS learned (
@@ -609,86 +601,3 @@ def _matches(entry: Learned, tap: Path | str | None = None, capability: str | No
         return False
     wanted = {"capability": capability, "kind": kind}
     return all(getattr(entry, column) == value for column, value in wanted.items() if value is not None)
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One routed message of a session, as routing decided it, and what the agent did about it since."""
-
-    message: str
-    decision: str
-    capability: str | None
-    refused: bool = False  # the agent disabled what it activated (a learned abstain)
-    corrected: bool = False  # an enable has learned from it (a learned trigger)
-
-
-class Corrections:
-    """The last :data:`WINDOW` routed turns per session, and which of them a manual enable corrects."""
-
-    def __init__(self, window: int = WINDOW, max_sessions: int = MAX_SESSIONS) -> None:
-        self.window = window
-        self.max_sessions = max_sessions
-        self._turns: OrderedDict[str, deque[Turn]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def routed(self, session: str, message: str, decision: str, capability: str | None) -> None:
-        with self._lock:
-            turns = self._turns.pop(session, None) or deque(maxlen=self.window)
-            turns.append(Turn(message, decision, capability))
-            self._turns[session] = turns
-            while len(self._turns) > self.max_sessions:
-                self._turns.popitem(last=False)
-
-    def _latest(self, session: str) -> tuple[deque[Turn], int] | None:
-        """The session's turns and the index of its latest routed (not skipped) one."""
-        turns = self._turns.get(session)
-        for index in range(len(turns or ()) - 1, -1, -1):
-            assert turns is not None
-            if turns[index].decision != "skipped":
-                return turns, index
-        return None
-
-    def enabled(self, session: str, name: str) -> Turn | None:
-        """The turn that enabling ``name`` corrects, or None: the session's latest routed turn,
-        once. It stays, marked corrected, so that enabling again (or after a disable) does not
-        reach back to older turns: toggling a capability taught it every recent message.
-
-        The capability routing activated is the exception: after the agent refused it, each
-        enable and disable of it is the agent's last word (a trigger, then an abstain again, …)."""
-        with self._lock:
-            found = self._latest(session)
-            if found is None:
-                return None
-            turns, index = found
-            turn = turns[index]
-            if turn.capability == name and turn.decision in ("activate", "already_active"):
-                if not turn.refused:
-                    return None  # routing already chose it: nothing to learn
-                turns[index] = replace(turn, refused=False, corrected=True)
-                return turn
-            if turn.corrected:
-                return None  # the latest turn was corrected already
-            turns[index] = replace(turn, corrected=True)
-            return turn
-
-    def disabled(self, session: str, name: str) -> Turn | None:
-        """The turn that disabling ``name`` refuses, or None: the session's latest routed turn,
-        when it activated ``name`` (whether or not an enable of another capability has corrected
-        it: the two corrections say the same, in either order). It stays, marked refused, for an
-        enable to correct."""
-        with self._lock:
-            found = self._latest(session)
-            if found is None:
-                return None
-            turns, index = found
-            turn = turns[index]
-            if turn.decision != "activate" or turn.capability != name or turn.refused:
-                return None
-            turns[index] = replace(turn, refused=True)
-            return turn
-
-    def forget_session(self, session: str) -> None:
-        """Drop a session's turns when it ends: an enable in a later session with the same id
-        corrects nothing routed before it."""
-        with self._lock:
-            self._turns.pop(session, None)

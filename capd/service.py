@@ -27,12 +27,13 @@ from typing import Any, BinaryIO
 from capd.batching import MicroBatcher
 from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
+from capd.corrections import Learner
 from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import FAILED_START, ModelError, StateError, Stopping, UnknownCapability
 from capd.fits import RuleFits, fitting_threads
 from capd.fused import TOKEN_BUDGET
 from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
-from capd.learned import KINDS, Corrections, LearnedStore
+from capd.learned import KINDS, LearnedStore
 from capd.live_taps import LiveTaps
 from capd.metrics import Metrics
 from capd.models import manifest_for
@@ -61,7 +62,6 @@ def _shown(problems: Iterable[Problem]) -> list[dict[str, Any]]:
 
 
 OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
-LEARN_DELAY = 1.0  # seconds between a recorded correction and routing with it (corrections come in bursts)
 RETIRE_DELAY = 30.0  # seconds an encoder replaced by a tuned one keeps serving requests already holding it
 
 
@@ -122,10 +122,7 @@ class Service:
         self.settings = settings
         self._want_learning = (sessions and settings.learn) if learn is None else learn
         self.learned: LearnedStore | None = None
-        self.corrections = Corrections()
-        self._learn_timer: threading.Timer | None = None  # the learning pass waiting or under way
-        self._learn_guard = threading.Lock()  # for the two fields: never held while routing or publishing
-        self._learn_wanted = 0  # corrections recorded so far (a pass routes with all it finds)
+        self.learner = Learner(self.catalog_now, lambda: self.learned, self.apply_learned)
         # what the served snapshot was built from: the learned file's data_version when it was read,
         # and the learned (triggers, abstains) read then (refresh_learned compares against both)
         self._learned_version: int | None = None
@@ -179,9 +176,9 @@ class Service:
                 self.registry = SessionRegistry(store, self.catalog_now, max_active=self.settings.max_active,
                                                 pinned=self.settings.pinned, clock=self._clock,
                                                 ttl=self.settings.session_ttl)
-                self.registry.on_manual = self._on_manual_enable
-                self.registry.on_disable = self._on_manual_disable
-                self.registry.on_end = self.corrections.forget_session  # its turns teach nothing after it
+                self.registry.on_manual = self.learner.manual_enable
+                self.registry.on_disable = self.learner.manual_disable
+                self.registry.on_end = self.learner.turns.forget_session  # its turns teach nothing after it
             if self._want_learning:
                 self.learned = LearnedStore.open(self.settings.data_dir, self.settings.learn_max)
             self.reload()
@@ -236,13 +233,11 @@ class Service:
         calls it too."""
         self._closed = True
         self.fits.stopping.set()
+        self.learner.close()
 
     def close(self) -> None:
         self.interrupt()
         self.tuner.close()
-        with self._learn_guard:
-            if self._learn_timer is not None:
-                self._learn_timer.cancel()
         if self._snapshot is None:  # still starting: stop its embedding at the next batch, not after them all
             self._close_encoder(self.encoder)
         with self._lock:  # a reload or learning pass already under way finishes before its stores close
@@ -486,63 +481,7 @@ class Service:
         prune(self.settings.data_dir, key)
         self._retire(previous)
 
-    # -- learning from corrections ---------------------------------------------------------
-
-    def _on_manual_enable(self, session: str, name: str) -> None:
-        """A manual enable right after a miss: record (message -> name) and apply it soon."""
-        capability = self.catalog_now().get(name)
-        if self.learned is None or capability is None or not capability.triggers:
-            return  # learns nothing, so it leaves the turn for an enable that does (manual-only capabilities)
-        turn = self.corrections.enabled(session, name)
-        if turn is None:
-            return
-        previous = "abstain" if turn.decision == "abstain" else turn.capability
-        if self.learned.record(capability.tap, name, turn.message, previous, session):
-            log.info("learned: %r -> %s (routing said %s)", turn.message[:80], name, previous)
-            self._schedule_learning()
-
-    def _on_manual_disable(self, session: str, name: str) -> None:
-        """A manual disable right after routing activated ``name``: record (message -/-> name)."""
-        capability = self.catalog_now().get(name)
-        if self.learned is None or capability is None or not capability.triggers:
-            return
-        turn = self.corrections.disabled(session, name)
-        if turn is None:
-            return
-        if self.learned.record(capability.tap, name, turn.message, name, session, kind="abstain"):
-            log.info("learned: %r -/-> %s (disabled right after routing activated it)", turn.message[:80], name)
-            self._schedule_learning()
-
-    def _schedule_learning(self) -> None:
-        """Route with a correction just recorded, after LEARN_DELAY (corrections come in bursts).
-
-        One learning pass at a time; one waiting or under way takes this correction too: it checks,
-        before it ends, whether any came in while it published (a publish can refit for seconds),
-        and goes again if so. Only ``_learn_guard`` is taken here, never the service's lock, so an
-        enable does not wait for a publish either."""
-        with self._learn_guard:
-            self._learn_wanted += 1
-            if self._learn_timer is not None or self._closed:
-                return
-            self._learn_timer = threading.Timer(LEARN_DELAY, self._learning_pass)
-            self._learn_timer.daemon = True
-            self._learn_timer.start()
-
-    def _learning_pass(self) -> None:
-        while True:
-            with self._learn_guard:
-                seen = self._learn_wanted
-            try:
-                self.apply_learned()
-            except Stopping:  # close() cut the pass short
-                seen = -1
-            except Exception:  # logged; the next correction schedules another pass
-                log.exception("could not route with the learned corrections")
-                seen = -1
-            with self._learn_guard:
-                if self._learn_wanted == seen or seen < 0 or self._closed:
-                    self._learn_timer = None
-                    return
+    # -- learning from corrections (capd/corrections.py records them) ----------------------
 
     def apply_learned(self) -> int:
         """Route with the learned examples recorded so far (blocking); returns how many are in effect."""
@@ -682,7 +621,7 @@ class Service:
                                         decision.candidates)
             if plan is None:
                 plan = self.registry.reconcile(session)
-            self.corrections.routed(session, text, decision.decision, decision.capability)
+            self.learner.turns.routed(session, text, decision.decision, decision.capability)
         return RouteResult(decision, plan)
 
     def _routed(self, result: RouteResult, session: str | None, started: float) -> RouteResult:

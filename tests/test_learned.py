@@ -21,8 +21,9 @@ from fastapi.testclient import TestClient
 
 from capd.api import create_app
 from capd.cli import main
+from capd.corrections import Corrections
 from capd.errors import ConfigError
-from capd.learned import Corrections, LearnedStore, canonical_tap
+from capd.learned import LearnedStore, canonical_tap
 from capd.service import Service
 from capd.settings import Settings, default_taps, load_settings
 from tests.conftest import SettingsFactory, file_held, isolated_data_dir
@@ -791,9 +792,9 @@ def test_a_correction_recorded_while_a_learning_pass_publishes_is_routed_with(
     import threading
     import time
 
-    from capd import service as service_module
+    from capd import corrections
 
-    monkeypatch.setattr(service_module, "LEARN_DELAY", 0.05)
+    monkeypatch.setattr(corrections, "LEARN_DELAY", 0.05)
     tap = octomind_tap(tmp_path / "tap")
     with closing(Service(settings_factory(taps=(tap,)), sessions=True, learn=True).start()) as service:
         assert service.registry is not None
