@@ -76,36 +76,41 @@ class Corrections:
 
         The capability routing activated is the exception: after the agent refused it, each
         enable and disable of it is the agent's last word (a trigger, then an abstain again, …)."""
-        with self._lock:
-            found = self._latest(session)
-            if found is None:
-                return None
-            turns, index = found
-            turn = turns[index]
+
+        def correct(turn: Turn) -> Turn | None:
             if turn.capability == name and turn.decision in ("activate", "already_active"):
-                if not turn.refused:
-                    return None  # routing already chose it: nothing to learn
-                turns[index] = replace(turn, refused=False, corrected=True)
-                return turn
-            if turn.corrected:
-                return None  # the latest turn was corrected already
-            turns[index] = replace(turn, corrected=True)
-            return turn
+                # routing already chose it: nothing to learn, unless the agent refused it since
+                return replace(turn, refused=False, corrected=True) if turn.refused else None
+            return None if turn.corrected else replace(turn, corrected=True)  # once per turn
+
+        return self._mark(session, correct)
 
     def disabled(self, session: str, name: str) -> Turn | None:
         """The turn that disabling ``name`` refuses, or None: the session's latest routed turn,
         when it activated ``name`` (whether or not an enable of another capability has corrected
         it: the two corrections say the same, in either order). It stays, marked refused, for an
         enable to correct."""
+
+        def refuse(turn: Turn) -> Turn | None:
+            if turn.decision != "activate" or turn.capability != name or turn.refused:
+                return None
+            return replace(turn, refused=True)
+
+        return self._mark(session, refuse)
+
+    def _mark(self, session: str, change: Callable[[Turn], Turn | None]) -> Turn | None:
+        """The session's latest routed turn, as it was, when ``change`` marks it (returns it marked:
+        it stays so, in place), else None (no such turn, or ``change`` returns None)."""
         with self._lock:
             found = self._latest(session)
             if found is None:
                 return None
             turns, index = found
             turn = turns[index]
-            if turn.decision != "activate" or turn.capability != name or turn.refused:
+            marked = change(turn)
+            if marked is None:
                 return None
-            turns[index] = replace(turn, refused=True)
+            turns[index] = marked
             return turn
 
     def forget_session(self, session: str) -> None:
