@@ -119,7 +119,7 @@ def strict_json(body: bytes) -> Any:
 
 class _StrictJSONRequest(Request):
     async def json(self) -> Any:
-        if not hasattr(self, "json_response"):
+        if not hasattr(self, "_json"):
             self._json = strict_json(await self.body())
         return self._json
 
