@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import LIMITS, Bench, EvalSet, chosen_sets, trial_bench, trial_parser, write_report
+from benchmarks.quality.run import LIMITS, Bench, EvalSet, folds_trial
 from capd.calibrate import Fitted, Variants, fit_gates, fitted_router, grid_for, score_variants
 from capd.evaluation import ScoreTable, apply_gates, metrics
 from capd.fixtures import Fixture
@@ -122,15 +122,7 @@ def run_set(bench: Bench, evalset: EvalSet, folds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    parser = trial_parser(__doc__, "examples_trial")
-    parser.add_argument("--folds", type=int, default=5)
-    args = parser.parse_args(argv)
-    found, skipped = chosen_sets(args)
-    report: dict[str, Any] = {"limits": LIMITS, "folds": args.folds, "skipped": skipped, "results": []}
-    with trial_bench("examples_trial") as bench:
-        for evalset in found:
-            report["results"].append(run_set(bench, evalset, args.folds))
-    return write_report(args.out, report)
+    return folds_trial(argv, __doc__, "examples_trial", run_set)
 
 
 if __name__ == "__main__":

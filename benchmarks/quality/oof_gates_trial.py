@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import LIMITS, chosen_sets, trial_bench, trial_parser, write_report
+from benchmarks.quality.run import LIMITS, Bench, EvalSet, folds_trial
 from capd.calibrate import Point, Variants, fit_gates, fitted_router, grid_for, score_variants
 from capd.evaluation import ScoreTable, apply_gates, metrics
 
@@ -60,35 +60,30 @@ def figures(m: dict[str, Any]) -> str:
     return f"{m['fired_right']:.3f} / {m['fired_wrong']:.3f} / " + ("—" if null is None else f"{null:.3f}")
 
 
+def run_set(bench: Bench, evalset: EvalSet, folds: int) -> dict[str, Any]:
+    with bench.fused_set(evalset) as on:
+        auto = on.service.fit_auto_gates()
+        router, _, _ = fitted_router(on.service.router, on.fixtures, on.vectors, on.tokens)
+        variants = score_variants(router, on.fixtures, on.vectors, on.tokens, grid_for("fused"))
+    fitted = fit_gates(variants, on.fit_rows, grid_for("fused"), LIMITS["max_null_fpr"], LIMITS["max_wrong"])
+    point = fitted.point
+    row: dict[str, Any] = {"set": evalset.name, "calibrated_oof": out_of_fold(variants, on.fit_rows, folds)}
+    if point is not None:
+        row["calibrated_fit"] = gated(fitted.tables[point.top_k], on.fit_rows, point)
+        row["calibrated_held_out"] = gated(fitted.tables[point.top_k], on.held_rows, point)
+    if auto is not None:
+        table = variants[auto.abstain_corpus][auto.top_k]
+        row["auto_fit"] = gated(table, on.fit_rows, auto)
+        row["auto_held_out"] = gated(table, on.held_rows, auto)
+    print(f"{evalset.name:20s} fit part: calibrated (out of fold) {figures(row['calibrated_oof'])}, auto "
+          + (figures(row["auto_fit"]) if "auto_fit" in row else "none") + "; held out: calibrated "
+          + (figures(row["calibrated_held_out"]) if point is not None else "none") + ", auto "
+          + (figures(row["auto_held_out"]) if "auto_fit" in row else "none"), flush=True)
+    return row
+
+
 def main(argv: list[str]) -> dict[str, Any]:
-    parser = trial_parser(__doc__, "oof_gates_trial")
-    parser.add_argument("--folds", type=int, default=5)
-    args = parser.parse_args(argv)
-    found, skipped = chosen_sets(args)
-    report: dict[str, Any] = {"limits": LIMITS, "folds": args.folds, "skipped": skipped, "results": []}
-    with trial_bench("oof_gates_trial") as bench:
-        for evalset in found:
-            with bench.fused_set(evalset) as on:
-                auto = on.service.fit_auto_gates()
-                router, _, _ = fitted_router(on.service.router, on.fixtures, on.vectors, on.tokens)
-                variants = score_variants(router, on.fixtures, on.vectors, on.tokens, grid_for("fused"))
-            fitted = fit_gates(variants, on.fit_rows, grid_for("fused"), LIMITS["max_null_fpr"], LIMITS["max_wrong"])
-            point = fitted.point
-            row: dict[str, Any] = {"set": evalset.name,
-                                   "calibrated_oof": out_of_fold(variants, on.fit_rows, args.folds)}
-            if point is not None:
-                row["calibrated_fit"] = gated(fitted.tables[point.top_k], on.fit_rows, point)
-                row["calibrated_held_out"] = gated(fitted.tables[point.top_k], on.held_rows, point)
-            if auto is not None:
-                table = variants[auto.abstain_corpus][auto.top_k]
-                row["auto_fit"] = gated(table, on.fit_rows, auto)
-                row["auto_held_out"] = gated(table, on.held_rows, auto)
-            report["results"].append(row)
-            print(f"{evalset.name:20s} fit part: calibrated (out of fold) {figures(row['calibrated_oof'])}, auto "
-                  + (figures(row["auto_fit"]) if "auto_fit" in row else "none") + "; held out: calibrated "
-                  + (figures(row["calibrated_held_out"]) if point is not None else "none") + ", auto "
-                  + (figures(row["auto_held_out"]) if "auto_fit" in row else "none"), flush=True)
-    return write_report(args.out, report)
+    return folds_trial(argv, __doc__, "oof_gates_trial", run_set)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,21 @@ def trial_bench(name: str, tuned: bool = False) -> Iterator[Bench]:
         yield Bench(encoder, Path(scratch), manifest_info()["gates"], tuned_root=CACHE / "tuned" if tuned else None)
 
 
+def folds_trial(argv: Sequence[str], doc: str, name: str,
+                per_set: Callable[[Bench, EvalSet, int], dict[str, Any]]) -> dict[str, Any]:
+    """A research harness over the chosen sets with ``--folds`` (default 5): ``per_set`` gives each
+    set's result row; the report (limits, folds, skipped sets, rows) goes to ``--out``."""
+    parser = trial_parser(doc, name)
+    parser.add_argument("--folds", type=int, default=5)
+    args = parser.parse_args(argv)
+    found, skipped = chosen_sets(args)
+    report: dict[str, Any] = {"limits": LIMITS, "folds": args.folds, "skipped": skipped, "results": []}
+    with trial_bench(name) as bench:
+        for evalset in found:
+            report["results"].append(per_set(bench, evalset, args.folds))
+    return write_report(args.out, report)
+
+
 def write_report(path: Path, report: dict[str, Any]) -> dict[str, Any]:
     """A research harness's JSON report, written to ``path`` (its folder made if need be); returns it."""
     path.parent.mkdir(parents=True, exist_ok=True)
