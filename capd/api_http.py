@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import parse_qsl
@@ -278,12 +279,11 @@ def refusal(scope: Scope) -> JSONResponse | None:
     if not isinstance(route, APIRoute):
         return None  # no such endpoint, or not this method: the router's 404 or 405 says so
     known = _query_names(route.dependant)
-    names = [name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True)]
-    problems = [f"query.{name}: Extra inputs are not permitted" for name in dict.fromkeys(names) if name not in known]
+    given = Counter(name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
+    problems = [f"query.{name}: Extra inputs are not permitted" for name in given if name not in known]
     # the framework keeps the last of a repeated parameter (?session=a&session=b listed b), as a
     # JSON parser keeps the last of a repeated key: both are refused rather than guessed
-    problems += [f"query.{name}: given {names.count(name)} times" for name in dict.fromkeys(names)
-                 if name in known and names.count(name) > 1]
+    problems += [f"query.{name}: given {count} times" for name, count in given.items() if name in known and count > 1]
     if not problems:
         return None
     return error_response(422, "invalid_request", "; ".join(problems))

@@ -417,10 +417,11 @@ class LearnedStore:
         """Delete matching entries (all of them when nothing is given); returns how many. ``message``
         matches as routing knows a message again (:func:`~capd.text.recall_key`: case and runs of
         white space aside), so the text as the user typed it finds what was stored."""
+        wanted = None if message is None else recall_key(message)
         with self._cursor() as conn:  # (no RETURNING: older SQLite builds lack it)
             where, args = _filters(self._spellings(conn, tap), capability, kind)
             deleted = {row for row in conn.execute(f"SELECT tap, capability, message FROM learned{where}", args)
-                       if message is None or recall_key(row[2]) == recall_key(message)}
+                       if wanted is None or recall_key(row[2]) == wanted}
             conn.executemany("DELETE FROM learned WHERE tap = ? AND capability = ? AND message = ?", sorted(deleted))
         with self._lock:
             held = [key for key, e in self._unsaved.items() if _matches(e, tap, capability, message, kind)]
@@ -594,7 +595,7 @@ def _filters(taps: Sequence[str] | None, capability: str | None,
 
 def _matches(entry: Learned, tap: Path | str | None = None, capability: str | None = None,
              message: str | None = None, kind: str | None = None) -> bool:
-    """:func:`_filters` for an entry held in memory."""
+    """:func:`_filters` for an entry held in memory, and ``message`` as :meth:`LearnedStore.forget` matches it."""
     if tap is not None and canonical_tap(entry.tap) != canonical_tap(tap):
         return False
     if message is not None and recall_key(entry.message) != recall_key(message):
