@@ -39,6 +39,13 @@ out-of-fold scores.
 Opt-in: held out it lifted top1 on four of six sets (clinc150_intent 0.888 → 0.911) but left a limit
 a row or two over on others (``benchmarks/quality/README.md``).
 
+With ``--examples`` the fit part's rows that expect one capability become examples of it (more
+triggers, ``<tap>/examples.jsonl``), and the gates are fitted out of fold (:mod:`capd.calibrate_examples`):
+each fit row scored by a router with the other folds' rows as examples, the held-out part by one
+with them all. The file's own lines that are fit rows are scored that way with or without the flag.
+Opt-in: held out it met the goal on hwu64 and kept it on the CLINC sets and snips7, but cost
+taps/core positives (``benchmarks/quality/README.md``).
+
 ``--write`` stores the point in ``<tap>/capd.toml`` (``[gates]`` plus the model it was fitted
 for), updating the file in place so that what the tap's author wrote there stays, and the veto rows
 in ``<tap>/vetoes.jsonl`` (:mod:`capd.calibrate_write`); capability files are never touched.
@@ -48,7 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,6 +63,7 @@ import numpy as np
 
 from capd import fused
 from capd.encoder import TokenVectors
+from capd.errors import CapdError
 from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
 from capd.fixtures import Fixture
 from capd.offsets import OffsetFit, fit_offsets
@@ -63,6 +71,9 @@ from capd.router import Router, distinct_vetoes
 from capd.text import recall_key, strip_tags
 
 HELD_OUT_SHARE = 0.3
+FOLDS = 5  # the fit part's folds when examples are scored out of fold (capd.calibrate_examples)
+# capability -> examples: a router with them as the tap's examples (Service.router_with_examples)
+Rebuild = Callable[[Mapping[str, Sequence[str]]], Router]
 CORPUS_MIN_GAIN = 0.02  # fit fired_right the abstain corpus must add to be kept
 
 
@@ -98,15 +109,29 @@ def split(fixtures: Sequence[Fixture]) -> tuple[np.ndarray, np.ndarray]:
     and a corrected message is recalled across them: :func:`~capd.text.recall_key`): those take the
     side of that text, or one of them would be scored held out on the very text the gates were
     fitted on."""
+    held = np.array([_hashed(key, 0) % 1000 < HELD_OUT_SHARE * 1000 for key in _split_keys(fixtures)], dtype=bool)
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def folds_of(fixtures: Sequence[Fixture], folds: int = FOLDS) -> np.ndarray:
+    """Each row's fold (0 .. ``folds`` - 1), by another part of the hash :func:`split` reads: copies
+    of a message, as :func:`split` counts them, share a fold."""
+    return np.array([_hashed(key, 1) % folds for key in _split_keys(fixtures)], dtype=int)
+
+
+def _hashed(key: str, part: int) -> int:
+    return int(hashlib.sha256(key.encode()).hexdigest()[8 * part:8 * part + 8], 16)
+
+
+def _split_keys(fixtures: Sequence[Fixture]) -> list[str]:
+    """What :func:`split` hashes per row: the routed text (case and spacing aside) when another
+    spelling of it is among the rows, else the message itself."""
     cleaned = [recall_key(strip_tags(f.message)) for f in fixtures]
     spellings: dict[str, set[str]] = {}
     for fixture, text in zip(fixtures, cleaned, strict=True):
         spellings.setdefault(text, set()).add(fixture.message)
-    keys = [text if text and len(spellings[text]) > 1 else f.message  # (all tags: nothing routes, nothing leaks)
+    return [text if text and len(spellings[text]) > 1 else f.message  # (all tags: nothing routes, nothing leaks)
             for f, text in zip(fixtures, cleaned, strict=True)]
-    held = np.array([int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 1000 < HELD_OUT_SHARE * 1000
-                     for key in keys], dtype=bool)
-    return np.flatnonzero(~held), np.flatnonzero(held)
 
 
 @dataclass(frozen=True)
@@ -288,12 +313,17 @@ def fitted_router(router: Router, fixtures: Sequence[Fixture], vectors: np.ndarr
 
 def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float = 0.05,
               max_wrong: float = 0.03, auto: Point | None = None, grid: Grid | None = None,
-              vetoes: bool = True, offsets: bool = False) -> dict[str, Any]:
+              vetoes: bool = True, offsets: bool = False, rebuild: Rebuild | None = None,
+              add_examples: bool = False) -> dict[str, Any]:
     """The recommended gates, their curve and their fit / held-out metrics; with ``auto`` (the
     fused rule's auto gates, :mod:`capd.autogates`), also what those give on the held-out rows.
     ``grid`` replaces the rule's grid (ablations: e.g. no coverage axis). With ``vetoes`` the fit
     part's null rows veto every capability while the gates are fitted (:func:`fit_vetoes`); with
     ``offsets`` (``fused`` only) the per-capability offsets are fitted first (:func:`fit_offsets`).
+    ``rebuild`` (:meth:`capd.service.Service.router_with_examples`) lets the tap's examples be scored
+    out of fold (:class:`~capd.calibrate_examples.ExamplePlan`): those of ``examples.jsonl`` that are fit rows and, with
+    ``add_examples``, every fit row expecting one capability (``--examples``); without it the tap
+    is scored as it routes. Examples and offsets are not fitted together (CapdError).
     Without a positive row in the fit part nothing is recommended (``error`` says why): a sweep
     there would choose gates that never fire."""
     fit_rows, held_rows = split(fixtures)
@@ -306,13 +336,25 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
                 "error": f"no positive row to fit on ({sum(f.positive for f in fixtures)} positive rows in all, "
                          f"and calibration fits on about {1 - HELD_OUT_SHARE:.0%} of the rows, chosen by a hash of "
                          "each message): add rows that expect a capability",
-                "abstain_corpus": {"without": None, "with": None}, "vetoes": 0, "offsets": {}, "curve": [],
+                "abstain_corpus": {"without": None, "with": None}, "vetoes": 0, "offsets": {}, "examples": None,
+                "curve": [],
                 "warnings": [NO_NULLS] if nulls == 0 else []}
+    from capd.calibrate_examples import out_of_fold, plan_examples  # it builds on this module's scoring
+
+    plan = plan_examples(router.catalog, fixtures, add_examples) if rebuild and router.rule != "anchor" else None
+    if plan is not None and offsets:
+        raise CapdError("per-capability offsets and the tap's examples are not fitted together yet: calibrate "
+                        "with one of them (--offsets, or --examples / the tap's examples.jsonl)")
     vectors, tokens = embed_fixtures(router, fixtures)
     grid = grid or grid_for(router.rule)
     untouched = router
-    router, veto_rows, fitted_offsets = fitted_router(router, fixtures, vectors, tokens, vetoes, offsets)
-    variants = score_variants(router, fixtures, vectors, tokens, grid, fitted_offsets)
+    if plan is None:
+        router, veto_rows, fitted_offsets = fitted_router(router, fixtures, vectors, tokens, vetoes, offsets)
+        variants = score_variants(router, fixtures, vectors, tokens, grid, fitted_offsets)
+    else:
+        assert rebuild is not None
+        variants, veto_rows = out_of_fold(rebuild, plan, fixtures, vectors, tokens, grid, vetoes)
+        fitted_offsets = None
     fitted = fit_gates(variants, fit_rows, grid, max_null_fpr, max_wrong)
     point = fitted.point
     error = None
@@ -328,6 +370,9 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         "abstain_corpus": fitted.corpus,
         "vetoes": len(veto_rows),
         "offsets": {} if fitted_offsets is None else fitted_offsets.offsets,
+        "examples": None if plan is None else {
+            "fit_rows": len(plan.rows), "kept": sum(len(m) for m in plan.kept.values()), "dropped": plan.dropped,
+            "folds": FOLDS},
         "curve": [_measured(c, nulls) for c in fitted.curve],
     }
     if error is not None:
@@ -338,6 +383,11 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
             sub = table.subset(rows)
             report[label] = metrics(sub, apply_gates(sub, point.threshold, point.margin, point.coverage))
     report["warnings"] = _warnings(report, positives, nulls, max_null_fpr, max_wrong)
+    if plan is not None and plan.dropped:
+        report["warnings"].append(
+            f"{plan.dropped} of the tap's examples (examples.jsonl) are fixture rows that are not fit rows expecting "
+            "that capability (held out, or expecting something else): calibration scored without them, but the "
+            "tap routes with them, so its held-out figures are not those of unseen messages")
     if auto is not None and auto.top_k in variants[False]:  # as the tap routes before --write: no new vetoes
         held = score_table(untouched, fixtures, top_k=auto.top_k, vectors=vectors, tokens=tokens).subset(held_rows)
         report["auto_gates"] = {"gates": auto.as_dict(), "held_out": metrics(

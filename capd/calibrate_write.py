@@ -1,7 +1,9 @@
 """What ``capd calibrate --write`` changes in a tap: the gates (and offsets) in ``<tap>/capd.toml``,
-the fit part's null rows appended to ``<tap>/vetoes.jsonl``.
+the fit part's null rows appended to ``<tap>/vetoes.jsonl`` and, with ``--examples``, its positive
+rows to ``<tap>/examples.jsonl``.
 
-Every edit is made and checked before any file is written (:func:`gates_edit`, :func:`vetoes_edit`),
+Every edit is made and checked before any file is written (:func:`gates_edit`, :func:`vetoes_edit`,
+:func:`examples_edit`),
 so a calibration of several taps writes nothing when one of them cannot be edited; what the tap's
 author wrote stays (a file is edited in place, line by line, and read back before it replaces the
 old one); capability files are never touched.
@@ -13,7 +15,7 @@ import copy
 import json
 import os
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,9 @@ from capd import atomic, toml_edit
 from capd.errors import TapFileError
 from capd.fixtures import Fixture, read_fixture_file
 from capd.router import veto_text
-from capd.tap_config import GATE_KEYS, SWITCH, TAP_VETOES, tap_config
+from capd.tap_config import GATE_KEYS, SWITCH, TAP_EXAMPLES, TAP_VETOES, tap_config
 from capd.tap_files import read_tap_file
-from capd.text import recall_key
+from capd.text import recall_key, strip_tags
 from capd.toml_edit import KeyPath, render_key
 
 
@@ -53,30 +55,61 @@ VETOES_HEADER = """\
 """
 
 
+EXAMPLES_HEADER = """\
+# Examples of this tap's capabilities: each message routes as one more trigger of the capability it
+# expects (rules capd and fused; the anchor rule reads triggers alone). One fixture row per line,
+# "expect" naming one capability of this tap. `capd calibrate --examples --write` appends the fit
+# rows it fitted the gates with (the gates assume them); add your own freely.
+"""
+
+
 def vetoes_edit(tap: Path, rows: Sequence[Fixture]) -> tuple[Path, str] | None:
     """``<tap>/vetoes.jsonl`` with the ``rows`` it lacks appended (None: it has them all). What is
     there stays byte for byte: lines are only added, never changed or reordered."""
-    path = _writable(tap, TAP_VETOES)
+    return _appended(tap, TAP_VETOES, VETOES_HEADER, "no veto was added", rows,
+                     lambda row: (recall_key(veto_text(row.message)),),
+                     lambda row: {"message": row.message, "expect": None, "kind": row.kind})
+
+
+def examples_edit(tap: Path, rows: Sequence[Fixture]) -> tuple[Path, str] | None:
+    """``<tap>/examples.jsonl`` with the ``rows`` it lacks appended (each expecting one capability;
+    a row is there when the file has its message, case, spacing and tags aside, for that
+    capability), as :func:`vetoes_edit` appends."""
+    return _appended(tap, TAP_EXAMPLES, EXAMPLES_HEADER, "no example was added", rows,
+                     lambda row: (row.expect[0] if row.expect else "", recall_key(strip_tags(row.message))),
+                     lambda row: {"message": row.message, "expect": row.expect[0], "kind": row.kind})
+
+
+def _appended(tap: Path, name: str, header: str, nothing: str, rows: Sequence[Fixture],
+              key: Callable[[Fixture], tuple[str, ...]],
+              line: Callable[[Fixture], dict[str, Any]]) -> tuple[Path, str] | None:
+    """``<tap>/<name>`` (JSON Lines of fixture rows) with the ``rows`` whose ``key`` it lacks
+    appended as ``line``; a new file starts with ``header``."""
+    path = _writable(tap, name)
     old, have = "", set()
     if os.path.lexists(path):
         try:
             data = read_tap_file(path, tap)
             old = data.decode("utf-8")  # a BOM stays (read_fixture_file skips it)
         except TapFileError as exc:
-            raise TapFileError(path, f"{exc.reason}; no veto was added") from None
+            raise TapFileError(path, f"{exc.reason}; {nothing}") from None
         except UnicodeDecodeError as exc:
-            raise TapFileError(path, f"not UTF-8 text ({exc.reason}); no veto was added") from None
-        have = {recall_key(veto_text(f.message)) for f in read_fixture_file(path, data)[0]}
-    new = [row for row in rows if recall_key(veto_text(row.message)) not in have]
+            raise TapFileError(path, f"not UTF-8 text ({exc.reason}); {nothing}") from None
+        have = {key(f) for f in read_fixture_file(path, data)[0]}
+    new = []
+    for row in rows:
+        if key(row) not in have:
+            have.add(key(row))
+            new.append(row)
     if not new:
         return None
-    lines = [json.dumps({"message": row.message, "expect": None, "kind": row.kind}, ensure_ascii=False) for row in new]
-    text = (old if old.endswith("\n") or not old else old + "\n") if old else VETOES_HEADER
+    lines = [json.dumps(line(row), ensure_ascii=False) for row in new]
+    text = (old if old.endswith("\n") or not old else old + "\n") if old else header
     return path, text + "\n".join(lines) + "\n"
 
 
 def write_vetoes(edit: tuple[Path, str]) -> Path:
-    """Store a :func:`vetoes_edit`."""
+    """Store a :func:`vetoes_edit` or an :func:`examples_edit`."""
     path, text = edit
     try:
         atomic.write_text(path, text)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
@@ -220,11 +220,21 @@ RULES = ("capd", "anchor", "fused")  # the routing rules a setting or a tap's ca
 
 
 @dataclass(frozen=True)
+class Example:
+    """A row of ``<tap>/examples.jsonl``: ``message`` routes as one more trigger of ``capability``
+    (rules ``capd`` and ``fused``), on the file's ``line``."""
+
+    capability: str
+    message: str
+    line: int = 0
+
+
+@dataclass(frozen=True)
 class TapConfig:
     """``<tap>/capd.toml``: per-tap gate overrides written by ``capd calibrate --write``, and the rule
     the tap's author routes it with (``rule``, written by hand; see :func:`capd.settings.tap_rule`);
     with it the tap's vetoes, ``<tap>/vetoes.jsonl`` (messages none of its capabilities may take:
-    :class:`capd.router.Vetoes`). Either file may be absent."""
+    :class:`capd.router.Vetoes`), and its examples, ``<tap>/examples.jsonl``. Any file may be absent."""
 
     path: Path
     gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # anchor and capd rules
@@ -232,6 +242,7 @@ class TapConfig:
     fused_gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # [gates.fused]
     rule: str | None = None  # the rule the tap asks for when no setting names one
     vetoes: tuple[str, ...] = ()  # <tap>/vetoes.jsonl's messages, in file order
+    examples: tuple[Example, ...] = ()  # <tap>/examples.jsonl's rows, in file order
     # [gates.fused.offsets]: capability name -> what `capd calibrate` adds to its fused score
     offsets: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -275,6 +286,28 @@ class Catalog:
         new = {c.name: c.fingerprint for c in self}
         return ([n for n in new if n not in old], [n for n in old if n not in new],
                 [n for n in new if n in old and new[n] != old[n]])
+
+    def examples_of(self, capability: Capability) -> tuple[str, ...]:
+        """The messages its own tap's ``examples.jsonl`` gives ``capability`` (a tap whose
+        capability of that name another tap overrides gives it none)."""
+        config = self.tap_configs.get(capability.tap)
+        served = self.capabilities.get(capability.name)
+        if config is None or served is None or served.tap != capability.tap:
+            return ()
+        return tuple(e.message for e in config.examples if e.capability == capability.name)
+
+    def with_examples(self, examples: Mapping[str, Sequence[str]]) -> Catalog:
+        """This catalog with every tap's examples replaced by ``examples`` (capability name ->
+        messages, each given to the tap its capability comes from; unknown names are dropped):
+        ``capd calibrate`` scores each fold with the examples of the other folds."""
+        configs = dict(self.tap_configs)
+        for tap in self.taps:
+            config = configs.get(tap) or TapConfig(path=tap / "capd.toml")
+            rows = tuple(Example(name, message) for name, messages in examples.items()
+                         if (capability := self.get(name)) is not None and capability.tap == tap
+                         for message in messages)
+            configs[tap] = replace(config, examples=rows)
+        return replace(self, tap_configs=MappingProxyType(configs))
 
     def gates_for(self, capability: Capability) -> Mapping[str, float]:
         config = self.tap_configs.get(capability.tap)

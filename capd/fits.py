@@ -94,14 +94,14 @@ class RuleFits:
         return head
 
     def head(self, index: TriggerIndex, encoder: Encoder, previous: Router | None,
-             fresh: Mapping[str, Vectors] | None = None) -> FusedHead:
-        """The fused rule's head for ``index`` (cached in the data directory)."""
+             fresh: Mapping[str, Vectors] | None = None, cache: bool = True) -> FusedHead:
+        """The fused rule's head for ``index`` (cached in the data directory unless not ``cache``)."""
         names, vectors, labels = index.examples()
         key = head_key(encoder.model_id, names, list(fingerprints(index, names).values()))
         documents = [index.triggers(n) for n in names]
         tokens = (previous.head.tokens if previous is not None and previous.head is not None
                   and previous.encoder.model_id == encoder.model_id else None)  # not across a model swap
-        return build_head(names, documents, vectors, labels, key, heads_dir(self.settings),
+        return build_head(names, documents, vectors, labels, key, heads_dir(self.settings) if cache else None,
                           encoder.embed_tokens, tokens, fresh, self.stopping.is_set)
 
     def _gated_by_auto(self, catalog: Catalog, gate_model: str) -> bool:

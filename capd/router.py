@@ -80,10 +80,11 @@ def _rounded(value: float | None) -> float | None:
     return round(value, 4) if value is not None and math.isfinite(value) else None
 
 
-def example_texts(capability: Capability, rule: str, learned: Sequence[str] = ()) -> tuple[str, ...]:
+def example_texts(capability: Capability, rule: str, learned: Sequence[str] = (),
+                  tap_examples: Sequence[str] = ()) -> tuple[str, ...]:
     """What a capability is routed on under ``rule``: its triggers, and (not for ``anchor``)
-    learned corrections; ``fused`` adds its description and its name. No triggers: nothing
-    (a capability without triggers is never auto-routed)."""
+    its tap's examples (``examples.jsonl``) and learned corrections; ``fused`` adds its description
+    and its name. No triggers: nothing (a capability without triggers is never auto-routed)."""
     if not capability.triggers:
         return ()
     texts = list(capability.triggers)
@@ -91,7 +92,7 @@ def example_texts(capability: Capability, rule: str, learned: Sequence[str] = ()
         description = capability.description or (capability.provider.description if capability.provider else None)
         texts += [description or "", capability.name.replace("-", " ").replace("_", " ")]
     if rule != "anchor":
-        texts += learned
+        texts += [*tap_examples, *learned]
     return tuple(dict.fromkeys(t.strip() for t in texts if t.strip()))
 
 
@@ -99,7 +100,8 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
     """The catalog the index is built from: each capability's triggers replaced by its examples."""
     capabilities: dict[str, Capability] = {}
     for capability in catalog:
-        texts = example_texts(capability, rule, (learned or {}).get(capability.name, ()))
+        texts = example_texts(capability, rule, (learned or {}).get(capability.name, ()),
+                              catalog.examples_of(capability))
         if texts == capability.triggers:
             capabilities[capability.name] = capability
             continue

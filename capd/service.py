@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -318,15 +318,40 @@ class Service:
     def _publish(self, catalog: Catalog) -> SyncReport:
         """Index ``catalog``'s examples for the rule and swap in a router for it (under the lock).
         What it embeds through the vector cache is :func:`cached_texts`; keep the two in step."""
-        assert self.embedder is not None and self.index is not None and self.encoder is not None
-        rule = self.settings.rule
+        assert self.index is not None
         # the version before the entries: a commit made while they are read is seen at the next check
         version = self.learned.version() if self.learned is not None else None
         learned, refused = self._learned_in_effect(catalog)
+        previous = self._snapshot.router if self._snapshot is not None else None
+        router, report = self._build_router(catalog, self.index, learned, refused, previous)
+        self._snapshot = Snapshot(catalog, router)
+        self._learned_version, self._learned_in_use = version, (learned, refused)
+        return report
+
+    def router_with_examples(self, examples: Mapping[str, Sequence[str]]) -> Router:
+        """A router on the served catalog whose taps' examples are ``examples`` instead of their
+        ``examples.jsonl`` (capability name -> messages: :meth:`Catalog.with_examples`), built on
+        an index of its own and never served: ``capd calibrate`` scores each fold with the other
+        folds' examples. Its fused head is fitted and not cached (each fold's is used once)."""
+        with self._lock:
+            catalog = self.catalog_now().with_examples(examples)
+            learned, refused = self._learned_in_effect(catalog)
+            assert self.encoder is not None
+            router, _ = self._build_router(catalog, TriggerIndex(self.encoder.dim), learned, refused, None)
+            return router
+
+    def _build_router(self, catalog: Catalog, index: TriggerIndex, learned: Mapping[str, tuple[str, ...]],
+                      refused: Mapping[str, tuple[str, ...]], previous: Router | None) -> tuple[Router, SyncReport]:
+        """Index ``catalog``'s examples into ``index`` and build a router on it: the served one
+        (``index`` is the service's: the auto gates are refitted with the head, and the head is
+        cached) or one for :meth:`router_with_examples`."""
+        assert self.embedder is not None and self.encoder is not None
+        rule = self.settings.rule
+        serving = index is self.index
         examples = example_catalog(catalog, rule, learned)
         self._check_open()
         with self.embedder.keeping_tokens(TOKEN_BUDGET if rule == "fused" else 0) as fresh:  # one pass for both
-            report = self.index.sync(examples, self.embedder)
+            report = index.sync(examples, self.embedder)
         self.counters.embedded += report.embedded
         self.counters.cached += report.cached
         self._check_open()  # before the fits: seconds of CPU on a large tap
@@ -336,21 +361,22 @@ class Service:
             return embedder.embed(texts)[0]
 
         vetoes = Vetoes.build(refused, vectors_of)
-        previous = self._snapshot.router if self._snapshot is not None else None
         manifest = manifest_for(self.settings)  # reads the manifest files: once per publish
         gate_model = self._gate_model(manifest.name)
         with fitting_threads(replacing=previous is not None):
-            head = self.fits.refit(catalog, self.index, self.encoder, previous, fresh.matrices, gate_model)
+            if serving:
+                head = self.fits.refit(catalog, index, self.encoder, previous, fresh.matrices, gate_model)
+            else:
+                head = self.fits.head(index, self.encoder, self.router, fresh.matrices,
+                                      cache=False) if rule == "fused" else None
         gates = self.fits.gatebook(catalog, manifest, gate_model)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
         vetoes = vetoes.with_taps({tap: config.vetoes for tap, config in catalog.tap_configs.items()}, vectors_of)
         recalled = self.learned.recalls(catalog, learned, refused) if self.learned is not None and learned else {}
-        router = Router(self.encoder, self.index, catalog, gates, rule=rule,
+        router = Router(self.encoder, index, catalog, gates, rule=rule,
                         min_chars=self.settings.min_chars, head=head, vetoes=vetoes, recalled=recalled)
-        self._snapshot = Snapshot(catalog, router)
-        self._learned_version, self._learned_in_use = version, (learned, refused)
-        return report
+        return router, report
 
     # -- the tuned model (capd/tuner.py decides when) --------------------------------------
 

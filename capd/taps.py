@@ -6,6 +6,7 @@ Reads existing octomind taps unchanged::
     <tap>/capabilities/<name>/<provider>.toml  [deps], [roles.mcp], [[mcp.servers]]
     <tap>/capabilities/<name>/default.toml     symlink to a provider file, or a provider itself
     <tap>/capd.toml                            capd's per-tap gates (written by ``capd calibrate``)
+    <tap>/vetoes.jsonl, <tap>/examples.jsonl   messages no capability may take; more triggers (the same)
 
 Decisions where octomind is silent:
 
@@ -19,7 +20,7 @@ Decisions where octomind is silent:
   binary files, dangling or looping links and anything but regular files (a FIFO would
   block the loader) are errors. capd never writes into a tap.
 
-A tap's own ``capd.toml`` and ``vetoes.jsonl`` are read by :mod:`capd.tap_config`; every file
+A tap's own ``capd.toml``, ``vetoes.jsonl`` and ``examples.jsonl`` are read by :mod:`capd.tap_config`; every file
 with the guards of :mod:`capd.tap_files`.
 """
 
@@ -36,7 +37,7 @@ from types import MappingProxyType
 
 from capd.catalog import Capability, Catalog, Problem, Provider, ServerSpec, TapConfig, fingerprint
 from capd.errors import TapFileError
-from capd.tap_config import load_tap_config
+from capd.tap_config import load_tap_config, unknown_examples
 from capd.tap_files import Checker, Folder, entry_line, line_of, parse_toml_bytes, resolve, trigger_lines
 
 log = logging.getLogger(__name__)
@@ -288,6 +289,7 @@ def assemble(taps: Sequence[Path], loaded: Iterable[TapLoad]) -> Catalog:
         problems.extend(found)
         if config is not None:
             configs[config.path.parent] = config
+            problems.extend(unknown_examples(config, (c.name for c in capabilities_of_tap)))
         for capability in capabilities_of_tap:
             first = capabilities.get(capability.name)
             if first is not None:

@@ -30,7 +30,7 @@ from watchdog.utils.dirsnapshot import DirectorySnapshot
 
 from capd.catalog import Problem
 from capd.errors import Stopping
-from capd.tap_config import TAP_VETOES
+from capd.tap_config import TAP_EXAMPLES, TAP_VETOES
 
 if TYPE_CHECKING:
     from capd.service import Service
@@ -349,11 +349,12 @@ class TapWatcher:
     def apply_changes(self, paths: Iterable[Path]) -> dict[str, Any]:
         """Reload what ``paths`` touched; errors are logged and shown in health, never raised.
 
-        Only tap files (``*.toml``, ``vetoes.jsonl``, or without a suffix: a link's target may be named so), folders
+        Only tap files (``*.toml``, ``vetoes.jsonl``, ``examples.jsonl``, or without a suffix: a link's target may be
+        named so), folders
         and paths that are gone count. A change to none of them (a log the daemon writes inside a tap,
         ``2> capd.log``) reloaded the taps all the same, and the reload's log line was a change again:
         a reload every debounce for as long as the daemon ran."""
-        relevant = [p for p in paths if p.suffix in (".toml", "") or p.name == TAP_VETOES or p.is_dir()
+        relevant = [p for p in paths if p.suffix in (".toml", "") or p.name in (TAP_VETOES, TAP_EXAMPLES) or p.is_dir()
                     or not p.exists()]
         if not relevant:
             return {}

@@ -104,9 +104,10 @@ def local_client(app: FastAPI, **kwargs: Any) -> TestClient:
     return TestClient(app, base_url="http://127.0.0.1", **kwargs)
 
 
-def calibrated_evalset(settings: Any, name: str, variants: dict[str, dict[str, bool]]) -> dict[str, dict[str, Any]]:
+def calibrated_evalset(settings: Any, name: str, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``capd calibrate``'s report on a shared eval set's tap and ``dev.jsonl`` with the fused rule and
-    the real model, once per variant (``calibrate``'s keyword arguments), from one started service."""
+    the real model, once per variant (``calibrate``'s keyword arguments, ``add_examples`` among them),
+    from one started service."""
     from dataclasses import replace
 
     from capd.calibrate import calibrate
@@ -117,6 +118,7 @@ def calibrated_evalset(settings: Any, name: str, variants: dict[str, dict[str, b
     rows = load_fixtures([root / "dev.jsonl"])
     service = Service(replace(settings, taps=(root / "tap",), rule="fused")).start()
     try:
-        return {label: calibrate(service.router, rows, **kwargs) for label, kwargs in variants.items()}
+        return {label: calibrate(service.router, rows, rebuild=service.router_with_examples, **kwargs)
+                for label, kwargs in variants.items()}
     finally:
         service.close()

@@ -49,6 +49,8 @@ def test_held_out_figures_are_what_calibrate_reports(report: Report, rule: str, 
     try:
         expected = calibrate(service.router, fixtures)
         offsets = calibrate(service.router, fixtures, offsets=True) if rule == "fused" else None
+        examples = calibrate(service.router, fixtures, rebuild=service.router_with_examples,
+                             add_examples=True) if rule == "fused" else None
     finally:
         service.close()
     measured = result["sets"]["core"]["rules"][rule]
@@ -58,6 +60,13 @@ def test_held_out_figures_are_what_calibrate_reports(report: Report, rule: str, 
         assert measured["calibrated_offsets"]["offsets"] == len(offsets["offsets"]) > 0
     else:
         assert "calibrated_offsets" not in measured
+    if examples is not None:  # `capd calibrate --examples`
+        assert measured["calibrated_examples"]["held_out"] == examples["held_out"]
+        assert measured["calibrated_examples"]["fit"] == examples["fit"]
+        assert measured["calibrated_examples"]["gates"] == examples["recommended"]
+        assert measured["calibrated_examples"]["examples"] == examples["examples"]["fit_rows"] > 0
+    else:
+        assert "calibrated_examples" not in measured
     assert measured["calibrated"]["held_out"] == expected["held_out"]
     assert measured["calibrated"]["fit"] == expected["fit"]
     assert measured["calibrated"]["gates"] == expected["recommended"]  # the abstain corpus choice included

@@ -313,6 +313,30 @@ def offset_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def examples_lines(result: dict[str, Any]) -> list[str]:
+    """``capd calibrate --examples``: the summary with them, and calibrated without → with them."""
+    lines = ["`capd calibrate --examples` routes with the fit part's rows that expect one capability as more of "
+             "its triggers (`--write` appends them to `<tap>/examples.jsonl`). The gates are fitted out of fold: "
+             "the fit part is cut into 5 folds by a hash of the message, and each fit row is scored by a router "
+             "whose examples are the other folds' rows (the fit nulls are vetoes, as without the flag); the "
+             "held-out part is scored by a router with them all, as the tap routes after `--write`. Opt-in. "
+             "Before = anchor, calibrated; after = fused, calibrated with the examples (and the vetoes), held-out:",
+             "", *summary_lines(result, "fused", "calibrated_examples"), "",
+             "Without → with the examples, same calibration otherwise; held-out top1, held-out fired_right / "
+             "fired_wrong / null_fpr, and fit fired_right (without: tuned on; with: out of fold).", "",
+             "| set | examples | held-out top1 | held-out without | held-out with | fit fired_right |",
+             "|---|---|---|---|---|---|"]
+    for name, data in result["sets"].items():
+        r = data["rules"].get("fused", {})
+        if "calibrated" in r and r.get("calibrated_examples"):
+            before, after = r["calibrated"], r["calibrated_examples"]
+            lines.append(f"| {name} | {after['examples']} | {fmt(before['held_out']['top1'])} → "
+                         f"{fmt(after['held_out']['top1'])} | {rates_cell(before['held_out'])} | "
+                         f"{rates_cell(after['held_out'])} | {fmt(before['fit']['fired_right'])} → "
+                         f"{fmt(after['fit']['fired_right'])} |")
+    return [*lines, ""]
+
+
 def veto_lines(result: dict[str, Any]) -> list[str]:
     """The tap's vetoes' contribution: calibrated without → with the fit part's null rows as vetoes."""
     lines = ["`capd calibrate` fits the gates with the fit part's null rows as the tap's vetoes (`--write` stores "
@@ -348,6 +372,7 @@ def render(result: dict[str, Any], out: Path) -> str:
         "null is 1/n of null_fpr, so small sets move in large steps.", "",
         *summary_lines(result), "",
         "## The tap's vetoes: calibrated without → with the fit part's null rows", "", *veto_lines(result),
+        "## The fit part's positives as examples (`capd calibrate --examples`)", "", *examples_lines(result),
         "## Per-capability offsets (`capd calibrate --offsets`)", "", *offset_lines(result),
         "## The coverage gate: fused calibrated without → with it", "", *coverage_lines(result),
         "## Tuned model: before (anchor, calibrated) → after (fused + tuned, calibrated), held-out", "",

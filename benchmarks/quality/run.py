@@ -48,7 +48,16 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from capd.calibrate import Point, fit_gates, fit_vetoes, fitted_router, grid_for, score_variants, split
+from capd.calibrate import (
+    Point,
+    fit_gates,
+    fit_vetoes,
+    fitted_router,
+    grid_for,
+    score_variants,
+    split,
+)
+from capd.calibrate_examples import out_of_fold, plan_examples
 from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
@@ -275,8 +284,10 @@ def manifest_info(model: str | None = None) -> dict[str, Any]:
 
 
 def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.ndarray,
-                  default: dict[str, float], tokens: list[np.ndarray] | None = None) -> dict[str, Any]:
-    """Default, calibrated (fit → held-out) and all-rows gates for the service's rule."""
+                  default: dict[str, float], tokens: list[np.ndarray] | None = None,
+                  examples: bool = False) -> dict[str, Any]:
+    """Default, calibrated (fit → held-out) and all-rows gates for the service's rule; with
+    ``examples``, also ``capd calibrate --examples`` (:func:`calibrated_examples`)."""
     router = service.router
     grid = grid_for(router.rule)
     plain = score_variants(router, fixtures, vectors, tokens, grid)  # as the tap routes before calibration
@@ -334,11 +345,33 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
             out["calibrated_no_coverage"] = {"gates": point.as_dict(),
                                              "held_out": gated(table, held_rows, point),
                                              "fit": gated(table, fit_rows, point)}
+    if examples:
+        out["calibrated_examples"] = calibrated_examples(service, fixtures, vectors, tokens)
     everything = fit_gates(plain, np.arange(len(fixtures)), grid=grid, **LIMITS)  # the ceiling, as before
     if (ceiling := everything.point) is not None:
         out["all_rows"] = {"gates": ceiling.as_dict(),
                            "all": gated(everything.tables[ceiling.top_k], None, ceiling)}
     return out
+
+
+def calibrated_examples(service: Service, fixtures: Sequence[Fixture], vectors: np.ndarray,
+                        tokens: list[np.ndarray] | None) -> dict[str, Any] | None:
+    """``capd calibrate --examples``: the fit part's rows that expect one capability as more of its
+    triggers, each fit row scored out of fold and the held-out part by a router with them all
+    (:func:`capd.calibrate.out_of_fold`, the fit nulls as vetoes); None when no point meets the limits."""
+    router = service.router
+    grid = grid_for(router.rule)
+    plan = plan_examples(router.catalog, fixtures, add=True)
+    if plan is None:
+        return None
+    fit_rows, held_rows = split(fixtures)
+    variants, _ = out_of_fold(service.router_with_examples, plan, fixtures, vectors, tokens, grid, vetoes=True)
+    fitted = fit_gates(variants, fit_rows, grid=grid, **LIMITS)
+    if (point := fitted.point) is None:
+        return None
+    table = fitted.tables[point.top_k]
+    return {"gates": point.as_dict(), "held_out": gated(table, held_rows, point), "fit": gated(table, fit_rows, point),
+            "examples": len(plan.rows)}
 
 
 def timing(bench: Bench, service: Service, fixtures: Sequence[Fixture], vectors: np.ndarray) -> dict[str, float]:
@@ -447,7 +480,8 @@ def run_set(bench: Bench, evalset: EvalSet, with_feedback: bool, tune: bool = Tr
         try:
             vectors = bench.vectors(service, fixtures) if vectors is None else vectors
             tokens = bench.tokens(service, fixtures) if rule == "fused" else None
-            result["rules"][rule] = evaluate_rule(service, fixtures, vectors, bench.defaults[rule], tokens)
+            result["rules"][rule] = evaluate_rule(service, fixtures, vectors, bench.defaults[rule], tokens,
+                                                  examples=rule == "fused")
             result["timing"][rule] = timing(bench, service, fixtures, vectors)
         finally:
             service.close()

@@ -58,8 +58,9 @@ def extra_examples(extra: Callable[[Capability], Sequence[str]]) -> Iterator[Non
     """The fused rule's examples with ``extra(capability)`` appended, for services built inside."""
     shipped: ExampleTexts = capd.router.example_texts
 
-    def texts(capability: Capability, rule: str, learned: Sequence[str] = ()) -> tuple[str, ...]:
-        base = shipped(capability, rule, learned)
+    def texts(capability: Capability, rule: str, learned: Sequence[str] = (),
+              tap_examples: Sequence[str] = ()) -> tuple[str, ...]:
+        base = shipped(capability, rule, learned, tap_examples)
         return tuple(dict.fromkeys([*base, *extra(capability)])) if base and rule == "fused" else base
 
     capd.router.example_texts = texts

@@ -305,11 +305,18 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
               "(and write no vetoes.jsonl).")
 @click.option("--offsets", "with_offsets", is_flag=True, help="fused: also fit per-capability offsets "
               "(--write stores them in [gates.fused.offsets]; without this flag it removes that table's lines).")
+@click.option("--examples", "with_examples", is_flag=True, help="Route with the fit part's rows that expect one "
+              "capability as more of its triggers, the gates fitted out of fold (--write appends them to "
+              "<tap>/examples.jsonl). Rules capd and fused.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
               backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, max_null_fpr: float,
-              max_wrong: float, write: bool, no_vetoes: bool, with_offsets: bool, as_json: bool) -> None:
+              max_wrong: float, write: bool, no_vetoes: bool, with_offsets: bool, with_examples: bool,
+              as_json: bool) -> None:
     """Sweep the gates, recommend the point with most fired_right within the limits.
+
+    The tap's examples (examples.jsonl) that are fit rows are scored out of fold: each row by a
+    router without its own copy, so the gates are fitted on messages the tap does not know.
 
     Example: capd calibrate --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --write
     """
@@ -319,15 +326,21 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
 
     if write and not taps:  # the configured taps could be the shipped ones, inside capd's own install
         raise Failed("--write needs --tap: name the tap whose capd.toml gets the gates", EXIT_USAGE)
+    if with_examples and with_offsets:
+        raise Failed("--examples and --offsets are not fitted together yet: choose one", EXIT_USAGE)
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
+    if with_examples and settings.rule == "anchor":
+        raise Failed("--examples: the anchor rule routes on triggers alone (use --rule capd or fused)", EXIT_USAGE)
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
     check_names(fixtures, service.catalog_now().capabilities, _broken(service))
     report = run_calibration(service.router, fixtures, max_null_fpr, max_wrong, auto=service.fit_auto_gates(),
-                             vetoes=not no_vetoes, offsets=with_offsets)
+                             vetoes=not no_vetoes, offsets=with_offsets, rebuild=service.router_with_examples,
+                             add_examples=with_examples)
     point = report["recommended"]
     refused = write and point is not None and NO_NULLS in report["warnings"]
-    write_refused = _write_calibration(report, service, settings, fixtures, refused, no_vetoes) if write else ""
+    write_refused = (_write_calibration(report, service, settings, fixtures, refused, no_vetoes, with_examples)
+                     if write else "")
     if as_json:
         emit_json(report)
     else:
@@ -341,20 +354,24 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
 
 
 def _write_calibration(report: dict[str, Any], service: Any, settings: Settings, fixtures: Sequence[Fixture],
-                       refused: bool, no_vetoes: bool) -> str:
+                       refused: bool, no_vetoes: bool, with_examples: bool) -> str:
     """``--write``: every edit made and checked before any file is written (the gates and offsets in
-    each tap's ``capd.toml``, the fit part's null rows in its ``vetoes.jsonl``). ``report["written"]``
-    lists what was written, also before a refusal; returns why a tap file cannot take the
-    recommendation ("" when none)."""
+    each tap's ``capd.toml``, the fit part's null rows in its ``vetoes.jsonl`` and, with
+    ``--examples``, its rows expecting one capability in the ``examples.jsonl`` of that capability's
+    tap). ``report["written"]`` lists what was written, also before a refusal; returns why a tap
+    file cannot take the recommendation ("" when none)."""
     from capd.calibrate import fit_vetoes
-    from capd.calibrate_write import gates_edit, vetoes_edit, write_vetoes
+    from capd.calibrate_examples import plan_examples
+    from capd.calibrate_write import examples_edit, gates_edit, vetoes_edit, write_vetoes
 
     point = report["recommended"]
     catalog = service.catalog_now()
 
-    def own_offsets(tap: Path) -> dict[str, float]:  # each tap stores its own capabilities' offsets
-        return {name: value for name, value in report["offsets"].items()
-                if (capability := catalog.get(name)) is not None and capability.tap == tap}
+    def own(tap: Path, name: str) -> bool:  # each tap stores its own capabilities' offsets and examples
+        return (capability := catalog.get(name)) is not None and capability.tap == tap
+
+    def own_offsets(tap: Path) -> dict[str, float]:
+        return {name: value for name, value in report["offsets"].items() if own(tap, name)}
 
     report["written"] = []
     try:
@@ -362,11 +379,16 @@ def _write_calibration(report: dict[str, Any], service: Any, settings: Settings,
             gates_edit(Path(t), point, service.gate_model, settings.rule, own_offsets(Path(t)))
             for t in settings.taps]
         rows = fit_vetoes(fixtures, settings.rule) if edits and not no_vetoes else []
-        vetoes = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
+        lines = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
+        plan = plan_examples(catalog, fixtures, True) if edits and with_examples else None
+        if plan is not None:
+            examples = [fixtures[i] for i in plan.rows]
+            lines += [e for e in (examples_edit(Path(t), [f for f in examples if own(Path(t), f.expect[0])])
+                                  for t in settings.taps) if e is not None]
         for edit in edits:
             report["written"].append(str(edit.write()))
-        for veto_edit in vetoes:
-            report["written"].append(str(write_vetoes(veto_edit)))
+        for appended in lines:
+            report["written"].append(str(write_vetoes(appended)))
     except TapFileError as exc:  # the sweep's result is still printed: only the write is refused
         return str(exc)
     return ""
@@ -404,6 +426,10 @@ def _echo_calibration(report: dict[str, Any], max_null_fpr: float, max_wrong: fl
             click.echo("  fitted without the tap's vetoes (--no-vetoes)" if no_vetoes else
                        f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
                        + (" (--write adds them to vetoes.jsonl)" if report["vetoes"] else ""))
+        if (examples := report.get("examples")) is not None:
+            click.echo(f"  fitted with {examples['fit_rows']} fit rows as examples, each row scored without its own "
+                       f"fold's ({examples['folds']} folds)" + (f", and {examples['kept']} other examples of the tap"
+                                                                if examples["kept"] else ""))
         if fused and with_offsets:
             moved = sorted(report["offsets"].items(), key=lambda item: -abs(item[1]))
             click.echo(f"  per-capability offsets: {len(moved)}" + ("" if not moved else " (largest: " + ", ".join(

@@ -1,0 +1,117 @@
+"""``capd calibrate --examples``: the tap's examples (``<tap>/examples.jsonl``) scored out of fold.
+
+Examples are more triggers, so a fixture row that is one of them finds its own copy and routes right
+at any gates: fitting the gates on such rows would fit them to nothing. :func:`plan_examples` says
+which examples calibration scores with (the fit part's rows expecting one capability with
+``--examples``, and those the file already has), and :func:`out_of_fold` scores each fit row by a
+router whose examples are the other folds' rows (:func:`capd.calibrate.folds_of`) and the held-out
+part by one with them all, as the tap routes after ``--write``; :func:`pooled` puts the rows back
+into one table per variant for :func:`capd.calibrate.fit_gates`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from capd.calibrate import FOLDS, Grid, Rebuild, Variants, fitted_router, folds_of, score_variants, split
+from capd.catalog import Catalog
+from capd.encoder import TokenVectors
+from capd.evaluation import ScoreTable
+from capd.fixtures import Fixture
+from capd.text import recall_key, strip_tags
+
+
+@dataclass(frozen=True)
+class ExamplePlan:
+    """Which examples calibration scores with (:func:`plan_examples`). ``kept`` are in force for
+    every row: the tap's examples that are no fixture's message (an author's own). ``rows`` are
+    fit rows that are examples of the capability they expect: the fit positives with
+    ``--examples``, and those the tap's ``examples.jsonl`` already has; each row is scored by a
+    router with the examples of the other folds only (:func:`folds_of`), and the held-out part by
+    one with them all. ``dropped`` counts the tap's examples that are some other fixture row's
+    message (held out, or expecting something else): calibration scores without them."""
+
+    kept: dict[str, list[str]]
+    rows: np.ndarray
+    dropped: int
+
+    def examples(self, fixtures: Sequence[Fixture], rows: np.ndarray) -> dict[str, list[str]]:
+        """``kept`` and the messages of ``rows`` (of :attr:`rows`), per capability."""
+        out = {name: list(messages) for name, messages in self.kept.items()}
+        for i in rows:
+            out.setdefault(fixtures[i].expect[0], []).append(fixtures[i].message)
+        return out
+
+
+def plan_examples(catalog: Catalog, fixtures: Sequence[Fixture], add: bool) -> ExamplePlan | None:
+    """The examples calibration must score out of fold (None: none; the tap is scored as it routes).
+    ``add``: every fit row expecting one capability of the catalog becomes one (``--examples``)."""
+    in_file = {(capability.name, recall_key(strip_tags(message)))
+               for capability in catalog for message in catalog.examples_of(capability)}
+    if not in_file and not add:
+        return None
+    keys = [recall_key(strip_tags(f.message)) for f in fixtures]
+    fit_rows, _ = split(fixtures)
+    rows = [i for i in fit_rows if len(fixtures[i].expect) == 1 and fixtures[i].expect[0] in catalog and keys[i]
+            and (add or (fixtures[i].expect[0], keys[i]) in in_file)]
+    used = {(fixtures[i].expect[0], keys[i]) for i in rows}
+    messages = set(keys)
+    kept: dict[str, list[str]] = {}
+    for capability in catalog:
+        for message in catalog.examples_of(capability):
+            if recall_key(strip_tags(message)) not in messages:
+                kept.setdefault(capability.name, []).append(message)
+    dropped = sum(1 for name, key in in_file if key in messages and (name, key) not in used)
+    return ExamplePlan(kept, np.array(rows, dtype=int), dropped)
+
+
+def pooled(fixtures: Sequence[Fixture], parts: Sequence[tuple[np.ndarray, ScoreTable]]) -> ScoreTable:
+    """One table of every fixture from tables that each scored some of them: ``(rows, table)``,
+    the table's row j being fixture ``rows[j]``; every fixture must be in one part."""
+    base = parts[0][1]
+    seen = np.zeros(len(fixtures), dtype=int)
+    for rows, table in parts:
+        if table.names != base.names or len(table.fixtures) != len(rows):
+            raise ValueError("pooled tables must score their rows against the same capabilities, in one order")
+        seen[rows] += 1
+    if (seen != 1).any():
+        raise ValueError("every fixture must be scored by exactly one of the pooled tables")
+
+    def take(attr: str) -> Any:
+        first = getattr(base, attr)
+        if first is None:
+            return None
+        out = np.empty((len(fixtures), *first.shape[1:]), dtype=first.dtype)
+        for rows, table in parts:
+            out[rows] = getattr(table, attr)
+        return out
+
+    return ScoreTable(tuple(fixtures), base.names, take("scores"), take("routable"), take("expected"),
+                      take("levels"), take("vetoed"), take("coverage"))
+
+
+def out_of_fold(rebuild: Rebuild, plan: ExamplePlan, fixtures: Sequence[Fixture], vectors: np.ndarray,
+                tokens: TokenVectors | None, grid: Grid, vetoes: bool) -> tuple[Variants, list[Fixture]]:
+    """Every fixture scored as :class:`ExamplePlan` says: a fit row in fold k by a router with the
+    plan's examples outside fold k, a held-out row by one with them all (each with the fit part's
+    nulls as vetoes, as :func:`fitted_router`); returns the pooled variants and the veto rows."""
+    fit_rows, held_rows = split(fixtures)
+    fold = folds_of(fixtures)
+    scorers = [(held_rows, plan.rows)] + [(fit_rows[fold[fit_rows] == k], plan.rows[fold[plan.rows] != k])
+                                          for k in range(FOLDS)]
+    parts: list[tuple[np.ndarray, Variants]] = []
+    veto_rows: list[Fixture] = []
+    for scored_rows, example_rows in scorers:
+        if not len(scored_rows):
+            continue
+        router, veto_rows, _ = fitted_router(rebuild(plan.examples(fixtures, example_rows)), fixtures, vectors,
+                                             tokens, vetoes)
+        parts.append((scored_rows, score_variants(router, [fixtures[i] for i in scored_rows], vectors[scored_rows],
+                                                  None if tokens is None else [tokens[i] for i in scored_rows], grid)))
+    first = parts[0][1]
+    return {on: {k: pooled(fixtures, [(rows, variants[on][k]) for rows, variants in parts]) for k in first[on]}
+            for on in first}, veto_rows
