@@ -25,7 +25,7 @@ from capd.errors import CapdError
 from capd.fixtures import Fixture
 from capd.gates import passes_coverage
 from capd.router import Router
-from capd.text import clean_message
+from capd.text import clean_message, recall_key, strip_tags
 
 
 @dataclass(frozen=True)
@@ -274,9 +274,28 @@ def evaluate(router: Router, fixtures: Sequence[Fixture], threshold: float | Non
         "coverage": coverage if coverage is not None else _uniform(cov),
         "top_k": router.top_k,
         "capabilities": len(table.names),
+        "known": known_rows(router, fixtures),
     })
     result.update(breakdown(table, outcome))
     return result, table, outcome
+
+
+KNOWN_NOTE = ("rows that are the taps' own examples (examples.jsonl) route to them, and rows that are their vetoes "
+              "(vetoes.jsonl) are turned away, by construction: measure on rows the taps were not calibrated on")
+
+
+def known_rows(router: Router, fixtures: Sequence[Fixture]) -> dict[str, int]:
+    """How many fixture rows the taps already hold as lines: ``examples``, rows whose message
+    (case, spacing and tags aside) is an example of a capability routed (``examples.jsonl``), and
+    ``vetoes``, rows whose message is a veto (``vetoes.jsonl``); none under ``anchor``, which
+    reads neither. Those rows pass by construction (:data:`KNOWN_NOTE`)."""
+    if router.rule == "anchor":
+        return {"examples": 0, "vetoes": 0}
+    catalog = router.catalog
+    examples = {recall_key(strip_tags(m)) for c in catalog for m in catalog.examples_of(c)}
+    vetoes = {recall_key(strip_tags(m)) for config in catalog.tap_configs.values() for m in config.vetoes}
+    keys = [recall_key(strip_tags(f.message)) for f in fixtures]
+    return {"examples": sum(k in examples for k in keys), "vetoes": sum(k in vetoes for k in keys)}
 
 
 def _uniform(values: np.ndarray) -> float | str | None:

@@ -49,7 +49,7 @@ import zipfile
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +78,14 @@ ONE_THREAD_WORK = 1 << 28  # examples × capabilities × dim below which the hea
 HEAD_BUDGET = 20_000_000  # examples × capabilities above which no head is fitted
 RESCORE_WEIGHT = 10.0  # β of the second stage, in F's log-odds units per unit of MaxSim
 RESCORE_CANDIDATES = 5
+# A candidate's examples the second stage reads: with more than this, its nearest ones by sentence
+# cosine. It bounds the stage's cost on a capability with hundreds of examples (clinc150_domain with
+# `capd calibrate --examples`, ~240 each: the fused score 4.1 -> 1.6 ms a message, a route 1.84x ->
+# 1.51x a bare encode, `make quality`); no shipped or shared tap has more without examples (32 at most).
+RESCORE_EXAMPLES = 32
 TOKEN_BUDGET = 100_000  # example token rows kept for the second stage (~150 MB of float32 at dim 384)
 BM25_K1, BM25_B = 1.2, 0.75
-VERSION = "fused-3"  # bump when anything above changes the cached heads
+VERSION = "fused-4"  # bump when anything above changes the cached heads
 
 # Words: letters and digits of any script (ASCII: [a-z0-9] after lower()). A command-line flag
 # (`-la`, `--force`: dashes starting a word, then a letter) is one word with its dashes, so
@@ -176,6 +181,9 @@ class ExampleTokens:
     rows: Floats  # [T, dim] (float16 in the cache file)
     starts: Ints  # [E + 1]: example e's tokens are rows[starts[e]:starts[e + 1]]
     first: Ints  # [C + 1]: capability c's examples are first[c]:first[c + 1]
+    # [E, dim]: the examples' sentence vectors (not cached: the index has them), to pick a
+    # candidate's nearest RESCORE_EXAMPLES; None reads every example
+    sentences: Floats | None = None
 
     @classmethod
     def build(cls, texts: Sequence[str], labels: Ints, matrices: TokenVectors, columns: int) -> ExampleTokens:
@@ -202,10 +210,13 @@ class ExampleTokens:
         """Example text → its token vectors (to reuse when the examples change a little)."""
         return {t: self.rows[self.starts[i]:self.starts[i + 1]] for i, t in enumerate(self.texts)}
 
-    def late_interaction(self, message: Floats, columns: Sequence[int], k: int = TOP_K) -> tuple[Floats, Floats]:
+    def late_interaction(self, message: Floats, columns: Sequence[int], k: int = TOP_K,
+                         sentence: Floats | None = None) -> tuple[Floats, Floats]:
         """Per column: ``R``, the mean of its top-k examples' MaxSim with the message's tokens, and
         its coverage, the mean over the message's tokens of the best cosine to any of its
-        examples' tokens (NaN without message tokens or examples)."""
+        examples' tokens (NaN without message tokens or examples). Given the message's
+        ``sentence`` vector, a column with more than :data:`RESCORE_EXAMPLES` examples is read
+        through its nearest ones by sentence cosine only."""
         match = np.full(len(columns), -1.0, dtype=np.float32)
         coverage = np.full(len(columns), np.nan, dtype=np.float32)
         if not len(message):
@@ -214,14 +225,26 @@ class ExampleTokens:
             a, b = int(self.first[column]), int(self.first[column + 1])
             if a == b:
                 continue
-            low = self.starts[a]
-            sims = message @ self.rows[low:self.starts[b]].T  # [message tokens, the capability's example tokens]
-            best = np.maximum.reduceat(sims, self.starts[a:b] - low, axis=1)  # [message tokens, examples]
+            rows, offsets = self._tokens_of(a, b, sentence)
+            sims = message @ rows.T  # [message tokens, the example tokens read]
+            best = np.maximum.reduceat(sims, offsets, axis=1)  # [message tokens, examples]
             per_example = best.mean(axis=0)
-            kk = min(k, b - a)
-            match[i] = float(np.partition(per_example, b - a - kk)[b - a - kk:].mean())
+            kk = min(k, len(offsets))
+            match[i] = float(np.partition(per_example, len(offsets) - kk)[len(offsets) - kk:].mean())
             coverage[i] = float(best.max(axis=1).mean())
         return match, coverage
+
+    def _tokens_of(self, a: int, b: int, sentence: Floats | None) -> tuple[Floats, Ints]:
+        """The token rows of examples ``a:b`` (or of the :data:`RESCORE_EXAMPLES` nearest ``sentence``
+        among them, gathered) and where each example's rows start within them."""
+        if sentence is None or self.sentences is None or b - a <= RESCORE_EXAMPLES:
+            low = self.starts[a]
+            return self.rows[low:self.starts[b]], self.starts[a:b] - low
+        near = a + np.argpartition(self.sentences[a:b] @ sentence, b - a - RESCORE_EXAMPLES)[b - a - RESCORE_EXAMPLES:]
+        first, lengths = self.starts[near], self.starts[near + 1] - self.starts[near]
+        ends = np.cumsum(lengths)
+        offsets = ends - lengths
+        return self.rows[np.repeat(first - offsets, lengths) + np.arange(ends[-1])], offsets
 
 
 @dataclass(frozen=True)
@@ -255,7 +278,7 @@ class FusedHead:
         fused = np.asarray(fused, dtype=np.float32)
         coverage = np.full(fused.shape, np.nan, dtype=np.float32)
         if tokens is not None and self.tokens is not None:  # with one capability or β = 0 only coverage changes
-            fused, coverage = self._rescore(fused, tokens, self.tokens)
+            fused, coverage = self._rescore(fused, tokens, self.tokens, vectors)
         if offsets is not None:
             fused = np.asarray(fused + offsets[None, :], dtype=np.float32)
         n, columns = fused.shape
@@ -268,7 +291,8 @@ class FusedHead:
         return Scores(fused, np.asarray(knn - self.in_class, dtype=np.float32), winner.astype(np.int64),
                       np.asarray(first - second, dtype=np.float32), coverage)
 
-    def _rescore(self, fused: Floats, tokens: TokenVectors, examples: ExampleTokens) -> tuple[Floats, Floats]:
+    def _rescore(self, fused: Floats, tokens: TokenVectors, examples: ExampleTokens,
+                 vectors: Floats) -> tuple[Floats, Floats]:
         """``F`` after the second stage, and the re-scored candidates' coverage (NaN elsewhere).
 
         The winner is always a candidate: the best-matching candidate keeps its score, which is
@@ -278,7 +302,8 @@ class FusedHead:
         top = min(RESCORE_CANDIDATES, fused.shape[1])
         for row, message in enumerate(tokens):
             candidates = np.argpartition(-fused[row], top - 1)[:top]
-            match, covered = examples.late_interaction(np.asarray(message, dtype=np.float32), candidates.tolist())
+            match, covered = examples.late_interaction(np.asarray(message, dtype=np.float32), candidates.tolist(),
+                                                       sentence=vectors[row])
             out[row, candidates] += self.rescore_weight * (match - match.max())
             coverage[row, candidates] = covered
         return out, coverage
@@ -450,6 +475,8 @@ def build_head(names: Sequence[str], documents: Sequence[Sequence[str]], vectors
     assert in_class is not None
     if path is not None and (stale or fresh_tokens):
         _store(path, in_class, weight, bias, tokens, over_budget)
+    if tokens is not None and len(vectors) == len(tokens.texts):  # the examples' own vectors, in their order
+        tokens = replace(tokens, sentences=np.asarray(vectors, dtype=np.float32))
     return FusedHead(tuple(names), in_class, weight, bias, Lexicon(documents), tokens, key=key)
 
 

@@ -25,6 +25,7 @@ from capd.fused import (
     HEAD_C,
     HEAD_MAX_ITER,
     HEAD_TOL,
+    RESCORE_EXAMPLES,
     ExampleTokens,
     FusedHead,
     Lexicon,
@@ -169,6 +170,30 @@ def test_late_interaction_is_the_mean_of_the_top_k_maxsims_per_capability() -> N
     assert np.isnan(tokens.late_interaction(message[:0], [0])[1]).all()  # no message tokens: no coverage
     with pytest.raises(ValueError, match="grouped"):
         ExampleTokens.build(["a", "b"], np.array([1, 0]), matrices[:2], 2)
+
+
+def test_the_second_stage_reads_a_large_capabilitys_nearest_examples_only() -> None:
+    """A capability with more than RESCORE_EXAMPLES examples is read through its nearest ones by
+    sentence cosine (its cost stays bounded): the same R and coverage as a capability made of those
+    alone; one with fewer, or without sentence vectors, reads every example as before."""
+    rng = np.random.default_rng(2)
+    many = RESCORE_EXAMPLES + 9
+    matrices = [_unit(rng, int(n)) for n in rng.integers(1, 6, size=many + 3)]
+    labels = np.array([0] * many + [1] * 3)
+    sentences = _unit(rng, many + 3)
+    texts = [f"t{i}" for i in range(many + 3)]
+    tokens = dataclasses.replace(ExampleTokens.build(texts, labels, matrices, 2), sentences=sentences)
+    message, sentence = _unit(rng, 4), _unit(rng, 1)[0]
+    near = np.sort(np.argsort(-(sentences[:many] @ sentence))[:RESCORE_EXAMPLES])
+    alone = ExampleTokens.build([texts[i] for i in near], np.zeros(len(near), dtype=np.int64),
+                                [matrices[i] for i in near], 1)
+    match, coverage = tokens.late_interaction(message, [0, 1], sentence=sentence)
+    expected_match, expected_coverage = alone.late_interaction(message, [0])
+    assert match[0] == pytest.approx(expected_match[0], abs=1e-6)
+    assert coverage[0] == pytest.approx(expected_coverage[0], abs=1e-6)
+    every_match, every_coverage = tokens.late_interaction(message, [0, 1])  # no sentence: every example
+    assert every_coverage[0] >= coverage[0] - 1e-6 and every_match[0] >= match[0] - 1e-6
+    assert match[1] == pytest.approx(every_match[1]) and coverage[1] == pytest.approx(every_coverage[1])
 
 
 def test_second_stage_reorders_only_the_leading_candidates() -> None:

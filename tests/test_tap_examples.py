@@ -230,3 +230,26 @@ def test_the_fit_positives_as_examples_lift_hwu64_held_out(model_settings: Setti
     assert held["fired_right"] >= before["fired_right"] + 0.03
     assert held["top1"] >= before["top1"] + 0.03
     assert held["null_fpr"] <= 0.05 and held["fired_wrong"] <= 0.03
+
+
+def test_eval_says_which_rows_the_tap_already_holds(tmp_path: Path) -> None:
+    """A row written to examples.jsonl (or vetoes.jsonl) routes by construction: `capd eval` counts them
+    (`known`) and says so, so that a figure measured on them is not taken for one on unseen messages."""
+    tap = octomind_tap(tmp_path)
+    (tap / "examples.jsonl").write_text(_rows(("Peek at the orders table", "database-postgres")))
+    (tap / "vetoes.jsonl").write_text(_rows(("tell me a joke", None)))
+    fixtures = tmp_path / "rows.jsonl"
+    fixtures.write_text(_rows(("peek at the  ORDERS table", "database-postgres"), ("tell me a joke", None),
+                              ("read the notes file from disk", "filesystem-read")))
+    args = ["eval", "--tap", str(tap), "--fixtures", str(fixtures), "--model", "hash", "--data-dir",
+            str(tmp_path / "data")]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["known"] == {"examples": 1, "vetoes": 1}
+    text = CliRunner().invoke(main, args).output
+    assert "1 rows are examples and 1 vetoes of the taps" in text and "by construction" in text
+    anchor = CliRunner().invoke(main, [*args, "--json", "--rule", "anchor"])  # it reads neither file
+    assert json.loads(anchor.output)["known"] == {"examples": 0, "vetoes": 0}
+    plain = octomind_tap(tmp_path / "plain")
+    clean = CliRunner().invoke(main, ["eval", "--tap", str(plain), *args[3:]])
+    assert "note:" not in clean.output

@@ -166,16 +166,23 @@ def timing_lines(result: dict[str, Any]) -> list[str]:
     lines = ["One message at a time, p50 over up to 200 of the set's messages. *score* = scoring an "
              "already-embedded message (anchor: `index.named_scores`; fused: `router.fused_scores` with its "
              "second stage); *encode* = the bare ONNX encoder (vector only) and `service.encoder` (micro-batcher, "
-             "vector and token vectors, as a fused route asks) on one message.", "",
+             "vector and token vectors, as a fused route asks) on one message. *with --examples*: the same "
+             "scoring with the fit part's positives as more examples (`capd calibrate --examples`).", "",
              "| set | capabilities | fused examples | encode ms | service.encoder ms | anchor score ms | "
-             "fused score ms | fused route / bare encode |", "|---|---|---|---|---|---|---|---|"]
+             "fused score ms | fused route / bare encode | with --examples: examples, score ms, route / encode |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, data in result["sets"].items():
         t, rules = data["timing"], data["rules"]
         fused, encode, service_encode = t["fused"]["score_ms"], t["fused"]["encode_ms"], t["fused"]["service_encode_ms"]
+        with_examples = "—"
+        if (score := t["fused"].get("score_examples_ms")) is not None:
+            added = (rules["fused"].get("calibrated_examples") or {}).get("examples")
+            with_examples = (f"{rules['fused']['examples']} + {added if added is not None else '?'}, {score:.3f}, "
+                             f"{(service_encode + score) / encode:.2f}×")
         # a fused route encodes through the service (token vectors too, a thread hand-off), then scores
         lines.append(f"| {name} | {rules['fused']['capabilities']} | {rules['fused']['examples']} | {encode:.2f} | "
                      f"{service_encode:.2f} | {t['anchor']['score_ms']:.3f} | {fused:.3f} | "
-                     f"{(service_encode + fused) / encode:.2f}× |")
+                     f"{(service_encode + fused) / encode:.2f}× | {with_examples} |")
     return [*lines, ""]
 
 

@@ -377,8 +377,9 @@ def calibrated_examples(service: Service, fixtures: Sequence[Fixture], vectors: 
 def timing(bench: Bench, service: Service, fixtures: Sequence[Fixture], vectors: np.ndarray) -> dict[str, float]:
     """p50 per message, one at a time: scoring an already-embedded vector (the rule's cost, with
     ``fused``'s second stage) and, for ``fused``, encoding the message (the bare encoder's vector,
-    and the service's micro-batcher with token vectors, as a route does), interleaved so that load
-    from other work on the machine hits all of them alike."""
+    and the service's micro-batcher with token vectors, as a route does), and scoring with the fit
+    part's rows as examples too (``score_examples_ms``: the tap after ``capd calibrate --examples
+    --write``), interleaved so that load from other work on the machine hits all of them alike."""
     router, encoder = service.router, service.encoder
     assert encoder is not None
     rows = np.linspace(0, len(fixtures) - 1, min(bench.timed, len(fixtures))).astype(int)
@@ -388,6 +389,10 @@ def timing(bench: Bench, service: Service, fixtures: Sequence[Fixture], vectors:
     if router.rule == "fused":
         tokens = bench.tokens(service, [fixtures[i] for i in rows])
         calls["score_ms"] = lambda i: router.fused_scores(vectors[rows[i]][None, :], [texts[i]], [tokens[i]])
+        if (plan := plan_examples(router.catalog, fixtures, add=True)) is not None:
+            examples = service.router_with_examples(plan.examples(fixtures, plan.rows))
+            calls["score_examples_ms"] = lambda i: examples.fused_scores(vectors[rows[i]][None, :], [texts[i]],
+                                                                         [tokens[i]])
         calls["encode_ms"] = lambda i: bench.encoder.embed([texts[i]])
         calls["service_encode_ms"] = lambda i: encoder.embed_tokens([texts[i]])
     samples: dict[str, list[float]] = {name: [] for name in calls}

@@ -161,6 +161,13 @@ def _eval_options(func: Any) -> Any:
     return settings_options(func)
 
 
+def _known_text(known: dict[str, int]) -> str:
+    """The note on fixture rows the taps hold as examples or vetoes (:func:`capd.evaluation.known_rows`)."""
+    from capd.evaluation import KNOWN_NOTE
+
+    return f"{known['examples']} rows are examples and {known['vetoes']} vetoes of the taps; {KNOWN_NOTE}"
+
+
 @click.command("eval")
 @_eval_options
 @click.option("--threshold", type=float, default=None, callback=setting_rule("threshold"),
@@ -202,6 +209,8 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
                + (f", coverage {_fmt(result['coverage'])}" if result["rule"] == "fused" else ""))
     for key in ("top1", "fired_right", "fired_wrong", "null_fpr"):
         click.echo(f"  {key:<12}{_fmt(result[key])}")
+    if any(result["known"].values()):
+        click.echo(f"  note: {_known_text(result['known'])}")
     click.echo("per kind:")
     for kind, entry in result["per_kind"].items():
         click.echo(f"  {kind:<16}n={entry['n']:<5} decided right {_fmt(entry['accuracy'])}")
@@ -258,6 +267,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
                         "floors_table": None if floors.path is None else
                         "floors" if floors.rule is None else f"floors.{floors.rule}",
                         "metrics": {k: result[k] for k in ("n", "top1", "fired_right", "fired_wrong", "null_fpr")},
+                        "known": result["known"],
                         "checks": [c.as_dict() for c in checks], "passed": all(c.passed for c in checks),
                         "failing_rows": failing_rows(table, outcome),
                         "errors": [problem.as_dict() for problem in errors]})
@@ -278,6 +288,8 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
                 click.echo(f"  rule {report['rule']}{named_by(report['rule_from'])}, floors from "
                            f"[{report['floors_table']}]"
                            + (" over [floors]" if report["floors_table"] != "floors" else ""))
+            if any(report["known"].values()):
+                click.echo(f"  note: {_known_text(report['known'])}")
             for check in report["checks"]:
                 mark = "ok  " if check["passed"] else "FAIL"
                 click.echo(f"  {mark} {check['name']} {_fmt(check['value'])} {check['relation']} {check['bound']}")
