@@ -48,8 +48,9 @@ class ExamplePlan:
 
 
 def plan_examples(catalog: Catalog, fixtures: Sequence[Fixture], add: bool) -> ExamplePlan | None:
-    """The examples calibration must score out of fold (None: none; the tap is scored as it routes).
-    ``add``: every fit row expecting one capability of the catalog becomes one (``--examples``)."""
+    """The examples calibration must score out of fold (None: none, or only examples that are no
+    fixture's message; the tap is scored as it routes). ``add``: every fit row expecting one
+    capability of the catalog becomes one (``--examples``)."""
     in_file = {(capability.name, recall_key(strip_tags(message)))
                for capability in catalog for message in catalog.examples_of(capability)}
     if not in_file and not add:
@@ -66,6 +67,8 @@ def plan_examples(catalog: Catalog, fixtures: Sequence[Fixture], add: bool) -> E
             if recall_key(strip_tags(message)) not in messages:
                 kept.setdefault(capability.name, []).append(message)
     dropped = sum(1 for name, key in in_file if key in messages and (name, key) not in used)
+    if not rows and not dropped and not add:  # only the author's own: the tap as it routes is the one to score
+        return None
     return ExamplePlan(kept, np.array(rows, dtype=int), dropped)
 
 

@@ -108,7 +108,7 @@ def _appended(tap: Path, name: str, header: str, nothing: str, rows: Sequence[Fi
     return path, text + "\n".join(lines) + "\n"
 
 
-def write_vetoes(edit: tuple[Path, str]) -> Path:
+def write_appended(edit: tuple[Path, str]) -> Path:
     """Store a :func:`vetoes_edit` or an :func:`examples_edit`."""
     path, text = edit
     try:

@@ -159,6 +159,7 @@ def test_the_taps_examples_that_are_fit_rows_are_scored_out_of_fold_without_the_
     assert sorted(plan.rows.tolist()) == sorted(fit_rows[:10].tolist())
     assert plan.kept == mine and plan.dropped == 1
     assert plan_examples(catalog, rows, add=False) is None  # no file, no flag: scored as the tap routes
+    assert plan_examples(catalog.with_examples(mine), rows, add=False) is None  # the author's own only: the same
 
 
 def test_calibrate_write_appends_the_fit_positives_as_examples(tmp_path: Path) -> None:

@@ -374,7 +374,7 @@ def _write_calibration(report: dict[str, Any], service: Any, settings: Settings,
     file cannot take the recommendation ("" when none)."""
     from capd.calibrate import fit_vetoes
     from capd.calibrate_examples import plan_examples
-    from capd.calibrate_write import examples_edit, gates_edit, vetoes_edit, write_vetoes
+    from capd.calibrate_write import examples_edit, gates_edit, vetoes_edit, write_appended
 
     point = report["recommended"]
     catalog = service.catalog_now()
@@ -395,12 +395,14 @@ def _write_calibration(report: dict[str, Any], service: Any, settings: Settings,
         plan = plan_examples(catalog, fixtures, True) if edits and with_examples else None
         if plan is not None:
             examples = [fixtures[i] for i in plan.rows]
-            lines += [e for e in (examples_edit(Path(t), [f for f in examples if own(Path(t), f.expect[0])])
-                                  for t in settings.taps) if e is not None]
+            for tap in map(Path, settings.taps):
+                mine = [f for f in examples if own(tap, f.expect[0])]
+                if mine and (appended := examples_edit(tap, mine)) is not None:
+                    lines.append(appended)
         for edit in edits:
             report["written"].append(str(edit.write()))
-        for appended in lines:
-            report["written"].append(str(write_vetoes(appended)))
+        for line_edit in lines:
+            report["written"].append(str(write_appended(line_edit)))
     except TapFileError as exc:  # the sweep's result is still printed: only the write is refused
         return str(exc)
     return ""
