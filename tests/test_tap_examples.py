@@ -66,6 +66,8 @@ def test_examples_load_with_the_tap_and_each_bad_line_names_itself(tmp_path: Pat
     anchor = example_catalog(catalog, "anchor")  # the anchor's rule reads triggers alone
     assert anchor.capabilities["database-postgres"].triggers == postgres.triggers
     assert path.read_text().startswith("# the author's note\n")  # read, never written
+    linted = CliRunner().invoke(main, ["lint", str(tap), "--json"])
+    assert linted.exit_code == 1 and json.loads(linted.output)["examples"] == 2  # the two in use; errors exit 1
 
 
 def test_an_example_of_a_tap_another_tap_overrides_is_not_used(tmp_path: Path) -> None:

@@ -33,14 +33,16 @@ def lint(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...]
         problems.extend(near_duplicates(catalog, settings))
     problems = ordered(problems)
     report = summarise(problems, catalog.taps)
+    examples = sum(len(catalog.examples_of(capability)) for capability in catalog)  # examples.jsonl lines in use
     if as_json:
-        emit_json({**report, "capabilities": len(catalog), "triggers": catalog.trigger_count})
+        emit_json({**report, "capabilities": len(catalog), "triggers": catalog.trigger_count, "examples": examples})
     else:
         for problem in problems:
             click.echo(str(problem), err=problem.severity == "error")
         counts = report["counts"]
         assert isinstance(counts, dict)
-        click.echo(f"{len(catalog)} capabilities, {catalog.trigger_count} triggers: "
+        click.echo(f"{len(catalog)} capabilities, {catalog.trigger_count} triggers"
+                   + (f" (and {examples} examples)" if examples else "") + ": "
                    f"{counts['error']} errors, {counts['warning']} warnings, {counts['info']} notes")
     if any(p.severity == "error" for p in problems):
         raise SystemExit(EXIT_ERROR)
