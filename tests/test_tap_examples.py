@@ -9,6 +9,8 @@ import dataclasses
 import json
 import random
 import shutil
+import time
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -256,3 +258,33 @@ def test_eval_says_which_rows_the_tap_already_holds(tmp_path: Path) -> None:
     plain = octomind_tap(tmp_path / "plain")
     clean = CliRunner().invoke(main, ["eval", "--tap", str(plain), *args[3:]])
     assert "note:" not in clean.output
+
+
+def test_a_real_observer_puts_an_examples_file_in_force_and_takes_it_out(tmp_path: Path) -> None:
+    tap = octomind_tap(tmp_path)
+    with closing(Service(Settings(taps=(tap,), data_dir=tmp_path / "data", model="hash")).start()) as service:
+        watcher = TapWatcher(service, debounce=0.1)
+        watcher.start()
+        try:
+            message = "zebra quokka marmalade"
+
+            def routed() -> str | None:
+                decision = service.router.route(message)
+                return decision.capability if decision.decision == "activate" else None
+
+            assert routed() is None
+            (tap / "examples.jsonl").write_text(_rows((message, "filesystem-read")))
+            assert _wait(lambda: routed() == "filesystem-read")
+            (tap / "examples.jsonl").unlink()
+            assert _wait(lambda: routed() is None)
+        finally:
+            watcher.stop()
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
