@@ -288,3 +288,27 @@ def _wait(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.05)
     return condition()
+
+
+def test_learned_triggers_export_as_the_taps_examples(tmp_path: Path) -> None:
+    """`capd learned export --format examples --tap DIR` prints the corrections learned for that tap as
+    examples.jsonl lines: appended there, the tap routes those messages without the data directory."""
+    from capd.learned import LearnedStore
+
+    tap = octomind_tap(tmp_path / "tap")
+    message = "zebra quokka marmalade"
+    store = LearnedStore.open(tmp_path / "data")
+    store.record(tap, "filesystem-read", message, "abstain", "s1")
+    store.record(tap, "filesystem-write", "never again this one", "filesystem-write", "s1", kind="abstain")
+    store.close()
+    base = ["learned", "export", "--data-dir", str(tmp_path / "data"), "--format", "examples"]
+    refused = CliRunner().invoke(main, base)
+    assert refused.exit_code == 2 and "exactly one --tap" in refused.output
+    exported = CliRunner().invoke(main, [*base, "--tap", str(tap)])
+    assert exported.exit_code == 0, exported.output
+    assert [json.loads(line) for line in exported.stdout.splitlines()] == [
+        {"message": message, "expect": "filesystem-read", "kind": "learned"}]  # the abstain is no example
+    (tap / "examples.jsonl").write_text(exported.stdout)
+    with closing(Service(Settings(taps=(tap,), data_dir=tmp_path / "fresh", model="hash")).start()) as service:
+        routed = service.router.route(message)
+        assert routed.decision == "activate" and routed.capability == "filesystem-read"

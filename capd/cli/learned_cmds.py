@@ -150,8 +150,9 @@ def forget(capability: str | None, config: Path | None, taps: tuple[Path, ...], 
 
 @learned.command()
 @store_options
-@click.option("--format", "fmt", type=click.Choice(["toml", "json"]), default="toml", show_default=True,
-              help="toml: a commented table per capability to review; json: {suggestions: [...]}.")
+@click.option("--format", "fmt", type=click.Choice(["toml", "json", "examples"]), default="toml", show_default=True,
+              help="toml: a commented table per capability to review; json: {suggestions: [...]}; examples: the "
+                   "learned triggers of one --tap as examples.jsonl lines, to review and append there.")
 def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, fmt: str) -> None:
     """Learned triggers as suggested triggers for tap authors, and learned abstains as messages
     that wrongly activated a capability (stdout; nothing is written).
@@ -159,6 +160,9 @@ def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, f
     Example: capd learned export --tap taps/core > suggestions.toml
     """
     settings = build_settings(config, data_dir=data_dir)
+    if fmt == "examples" and len(distinct_taps(taps)) != 1:  # an examples.jsonl holds one tap's capabilities
+        raise Failed("--format examples needs exactly one --tap: the tap whose examples.jsonl the lines are for",
+                     EXIT_USAGE)
     store = _store(settings)
     grouped: dict[tuple[str, str], dict[str, list[str]]] = {}
     for tap in _distinct(taps):
@@ -173,6 +177,12 @@ def export(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, f
         for (tap, name), lists in sorted(grouped.items())]
     if fmt == "json":
         emit_json({"suggestions": suggestions})
+        return
+    if fmt == "examples":  # learned abstains refuse one capability, a tap's vetoes every one: not exported here
+        for item in suggestions:
+            for message in item["add_triggers"]:
+                click.echo(json.dumps({"message": message, "expect": item["capability"], "kind": "learned"},
+                                      ensure_ascii=False))
         return
     click.echo("# Suggested triggers learned from corrections (capd learned export).\n"
                "# Review each one; add the good ones to the capability's `triggers`. `refused_messages`\n"
