@@ -9,8 +9,6 @@ import dataclasses
 import json
 import random
 import shutil
-import time
-from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from capd.service import Service
 from capd.settings import Settings
 from capd.taps import load_catalog
 from capd.watcher import TapWatcher
+from tests.reliability.harness import wait_until
 from tests.taputil import EVALSETS, calibrated_evalset, octomind_tap
 
 CORE = Path(__file__).resolve().parent.parent / "taps" / "core"
@@ -274,20 +273,12 @@ def test_a_real_observer_puts_an_examples_file_in_force_and_takes_it_out(tmp_pat
 
             assert routed() is None
             (tap / "examples.jsonl").write_text(_rows((message, "filesystem-read")))
-            assert _wait(lambda: routed() == "filesystem-read")
+            assert wait_until(lambda: routed() == "filesystem-read", 15)
             (tap / "examples.jsonl").unlink()
-            assert _wait(lambda: routed() is None)
+            assert wait_until(lambda: routed() is None, 15)
         finally:
             watcher.stop()
 
-
-def _wait(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def test_learned_triggers_export_as_the_taps_examples(tmp_path: Path) -> None:

@@ -313,10 +313,7 @@ def offset_lines(result: dict[str, Any]) -> list[str]:
             r = data["rules"].get(rule, {})
             if "calibrated" in r and "calibrated_offsets" in r:
                 before, after = r["calibrated"], r["calibrated_offsets"]
-                lines.append(f"| {name} | {rule} | {after['offsets']} | {fmt(before['held_out']['top1'])} → "
-                             f"{fmt(after['held_out']['top1'])} | {rates_cell(before['held_out'])} | "
-                             f"{rates_cell(after['held_out'])} | {fmt(before['fit']['fired_right'])} → "
-                             f"{fmt(after['fit']['fired_right'])} |")
+                lines.append(_compared(f"{name} | {rule} | {after['offsets']}", before, after))
     return [*lines, ""]
 
 
@@ -337,11 +334,16 @@ def examples_lines(result: dict[str, Any]) -> list[str]:
         r = data["rules"].get("fused", {})
         if "calibrated" in r and r.get("calibrated_examples"):
             before, after = r["calibrated"], r["calibrated_examples"]
-            lines.append(f"| {name} | {after['examples']} | {fmt(before['held_out']['top1'])} → "
-                         f"{fmt(after['held_out']['top1'])} | {rates_cell(before['held_out'])} | "
-                         f"{rates_cell(after['held_out'])} | {fmt(before['fit']['fired_right'])} → "
-                         f"{fmt(after['fit']['fired_right'])} |")
+            lines.append(_compared(f"{name} | {after['examples']}", before, after))
     return [*lines, ""]
+
+
+def _compared(cells: str, before: dict[str, Any], after: dict[str, Any]) -> str:
+    """A without → with table row: ``cells`` first, then held-out top1, the held-out rates of each,
+    and fit fired_right."""
+    return (f"| {cells} | {fmt(before['held_out']['top1'])} → {fmt(after['held_out']['top1'])} | "
+            f"{rates_cell(before['held_out'])} | {rates_cell(after['held_out'])} | "
+            f"{fmt(before['fit']['fired_right'])} → {fmt(after['fit']['fired_right'])} |")
 
 
 def veto_lines(result: dict[str, Any]) -> list[str]:
