@@ -68,7 +68,7 @@ from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, sc
 from capd.fixtures import Fixture
 from capd.offsets import OffsetFit, fit_offsets
 from capd.router import Router, distinct_vetoes
-from capd.text import recall_key, strip_tags
+from capd.text import routed_key
 
 HELD_OUT_SHARE = 0.3
 FOLDS = 5  # the fit part's folds when examples are scored out of fold (capd.calibrate_examples)
@@ -126,7 +126,7 @@ def _hashed(key: str, part: int) -> int:
 def _split_keys(fixtures: Sequence[Fixture]) -> list[str]:
     """What :func:`split` hashes per row: the routed text (case and spacing aside) when another
     spelling of it is among the rows, else the message itself."""
-    cleaned = [recall_key(strip_tags(f.message)) for f in fixtures]
+    cleaned = [routed_key(f.message) for f in fixtures]
     spellings: dict[str, set[str]] = {}
     for fixture, text in zip(fixtures, cleaned, strict=True):
         spellings.setdefault(text, set()).add(fixture.message)

@@ -22,7 +22,7 @@ from capd.catalog import Catalog
 from capd.encoder import TokenVectors
 from capd.evaluation import ScoreTable
 from capd.fixtures import Fixture
-from capd.text import recall_key, strip_tags
+from capd.text import routed_key
 
 
 @dataclass(frozen=True)
@@ -51,21 +51,21 @@ def plan_examples(catalog: Catalog, fixtures: Sequence[Fixture], add: bool) -> E
     """The examples calibration must score out of fold (None: none, or only examples that are no
     fixture's message; the tap is scored as it routes). ``add``: every fit row expecting one
     capability of the catalog becomes one (``--examples``)."""
-    in_file = {(capability.name, recall_key(strip_tags(message)))
-               for capability in catalog for message in catalog.examples_of(capability)}
-    if not in_file and not add:
+    file_rows = [(capability.name, message, routed_key(message))
+                 for capability in catalog for message in catalog.examples_of(capability)]
+    if not file_rows and not add:
         return None
-    keys = [recall_key(strip_tags(f.message)) for f in fixtures]
+    in_file = {(name, key) for name, _, key in file_rows}
+    keys = [routed_key(f.message) for f in fixtures]
     fit_rows, _ = split(fixtures)
     rows = [i for i in fit_rows if len(fixtures[i].expect) == 1 and fixtures[i].expect[0] in catalog and keys[i]
             and (add or (fixtures[i].expect[0], keys[i]) in in_file)]
     used = {(fixtures[i].expect[0], keys[i]) for i in rows}
     messages = set(keys)
     kept: dict[str, list[str]] = {}
-    for capability in catalog:
-        for message in catalog.examples_of(capability):
-            if recall_key(strip_tags(message)) not in messages:
-                kept.setdefault(capability.name, []).append(message)
+    for name, message, key in file_rows:
+        if key not in messages:
+            kept.setdefault(name, []).append(message)
     dropped = sum(1 for name, key in in_file if key in messages and (name, key) not in used)
     if not rows and not dropped and not add:  # only the author's own: the tap as it routes is the one to score
         return None

@@ -23,10 +23,9 @@ from typing import Any
 from capd import atomic, toml_edit
 from capd.errors import TapFileError
 from capd.fixtures import Fixture, read_fixture_file
-from capd.router import veto_text
 from capd.tap_config import GATE_KEYS, SWITCH, TAP_EXAMPLES, TAP_VETOES, tap_config
 from capd.tap_files import read_tap_file
-from capd.text import recall_key, strip_tags
+from capd.text import routed_key
 from capd.toml_edit import KeyPath, render_key
 
 
@@ -67,7 +66,7 @@ def vetoes_edit(tap: Path, rows: Sequence[Fixture]) -> tuple[Path, str] | None:
     """``<tap>/vetoes.jsonl`` with the ``rows`` it lacks appended (None: it has them all). What is
     there stays byte for byte: lines are only added, never changed or reordered."""
     return _appended(tap, TAP_VETOES, VETOES_HEADER, "no veto was added", rows,
-                     lambda row: (recall_key(veto_text(row.message)),),
+                     lambda row: (routed_key(row.message),),
                      lambda row: {"message": row.message, "expect": None, "kind": row.kind})
 
 
@@ -76,7 +75,7 @@ def examples_edit(tap: Path, rows: Sequence[Fixture]) -> tuple[Path, str] | None
     a row is there when the file has its message, case, spacing and tags aside, for that
     capability), as :func:`vetoes_edit` appends."""
     return _appended(tap, TAP_EXAMPLES, EXAMPLES_HEADER, "no example was added", rows,
-                     lambda row: (row.expect[0] if row.expect else "", recall_key(strip_tags(row.message))),
+                     lambda row: (row.expect[0] if row.expect else "", routed_key(row.message)),
                      lambda row: {"message": row.message, "expect": row.expect[0], "kind": row.kind})
 
 
@@ -98,8 +97,8 @@ def _appended(tap: Path, name: str, header: str, nothing: str, rows: Sequence[Fi
         have = {key(f) for f in read_fixture_file(path, data)[0]}
     new = []
     for row in rows:
-        if key(row) not in have:
-            have.add(key(row))
+        if (known := key(row)) not in have:
+            have.add(known)
             new.append(row)
     if not new:
         return None

@@ -6,6 +6,7 @@ sessions, API) reads them and never re-parses TOML.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -249,6 +250,15 @@ class TapConfig:
     def gates_for(self, rule: str) -> Mapping[str, float | bool]:
         return self.fused_gates if rule == "fused" else self.gates
 
+    @functools.cached_property
+    def examples_by_capability(self) -> Mapping[str, tuple[str, ...]]:
+        """:attr:`examples`' messages per capability name, in file order (built once: every publish,
+        lint and calibration asks per capability)."""
+        grouped: dict[str, list[str]] = {}
+        for example in self.examples:
+            grouped.setdefault(example.capability, []).append(example.message)
+        return MappingProxyType({name: tuple(messages) for name, messages in grouped.items()})
+
 
 @dataclass(frozen=True)
 class Catalog:
@@ -294,7 +304,7 @@ class Catalog:
         served = self.capabilities.get(capability.name)
         if config is None or served is None or served.tap != capability.tap:
             return ()
-        return tuple(e.message for e in config.examples if e.capability == capability.name)
+        return config.examples_by_capability.get(capability.name, ())
 
     def with_examples(self, examples: Mapping[str, Sequence[str]]) -> Catalog:
         """This catalog with every tap's examples replaced by ``examples`` (capability name ->

@@ -25,7 +25,7 @@ from capd.errors import CapdError
 from capd.fixtures import Fixture
 from capd.gates import passes_coverage
 from capd.router import Router
-from capd.text import clean_message, recall_key, strip_tags
+from capd.text import clean_message, routed_key
 
 
 @dataclass(frozen=True)
@@ -292,9 +292,9 @@ def known_rows(router: Router, fixtures: Sequence[Fixture]) -> dict[str, int]:
     if router.rule == "anchor":
         return {"examples": 0, "vetoes": 0}
     catalog = router.catalog
-    examples = {recall_key(strip_tags(m)) for c in catalog for m in catalog.examples_of(c)}
-    vetoes = {recall_key(strip_tags(m)) for config in catalog.tap_configs.values() for m in config.vetoes}
-    keys = [recall_key(strip_tags(f.message)) for f in fixtures]
+    examples = {routed_key(m) for c in catalog for m in catalog.examples_of(c)}
+    vetoes = {routed_key(m) for config in catalog.tap_configs.values() for m in config.vetoes}
+    keys = [routed_key(f.message) for f in fixtures]
     return {"examples": sum(k in examples for k in keys), "vetoes": sum(k in vetoes for k in keys)}
 
 

@@ -45,7 +45,7 @@ from capd.encoder import Encoder, TokenVectors
 from capd.errors import UnknownCapability
 from capd.gates import GateBook, Gates, gate, not_a_number, shown
 from capd.index import TriggerIndex
-from capd.text import clean_message, recall_key, strip_tags
+from capd.text import clean_message, recall_key, routed_key, strip_tags
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def distinct_vetoes(messages: Sequence[str]) -> tuple[str, ...]:
     the first spelling kept, without those that leave nothing to route on."""
     seen: dict[str, str] = {}
     for message in messages:
-        key = recall_key(veto_text(message))
+        key = routed_key(message)
         if key and key not in seen:
             seen[key] = message
     return tuple(seen.values())
@@ -312,12 +312,12 @@ class Router:
         out: list[Refusal | None] = [None] * len(winners)
         queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
         # copies that differ in tags, case or spacing count as one message (as in capd.calibrate.split)
-        own_keys = None if own is None else [recall_key(strip_tags(m)) for m in own]
+        own_keys = None if own is None else [routed_key(m) for m in own]
         key_of: dict[str, str] = {}  # veto text -> its key, computed once per call
 
         def key(text: str) -> str:
             if text not in key_of:
-                key_of[text] = recall_key(strip_tags(text))
+                key_of[text] = routed_key(text)
             return key_of[text]
 
         for row, name in enumerate(winners):

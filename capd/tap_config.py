@@ -19,7 +19,7 @@ from capd.catalog import RULES, Example, Problem, TapConfig
 from capd.errors import TapFileError
 from capd.fixtures import Fixture, read_fixture_file
 from capd.tap_files import Checker, parse_toml, read_tap_file
-from capd.text import recall_key, strip_tags
+from capd.text import routed_key
 
 TAP_CONFIG = "capd.toml"
 TAP_VETOES = "vetoes.jsonl"  # messages none of the tap's capabilities may take (TapConfig.vetoes)
@@ -58,7 +58,7 @@ def load_tap_vetoes(tap: Path) -> tuple[tuple[str, ...], list[Problem]]:
             problems.append(Problem("error", str(tap / TAP_VETOES), "a veto expects nothing (\"expect\": null), not "
                                     f"{', '.join(row.expect)}; this line vetoes nothing", line, code="invalid-veto"))
             continue
-        key = _routed_key(tap / TAP_VETOES, row.message, line, "this line vetoes nothing", "invalid-veto", problems)
+        key = _key_or_problem(tap / TAP_VETOES, row.message, line, "this line vetoes nothing", "invalid-veto", problems)
         if key is None:
             continue
         if key in first:
@@ -88,7 +88,7 @@ def load_tap_examples(tap: Path) -> tuple[tuple[Example, ...], list[Problem]]:
             problems.append(Problem("error", str(path), f"an example expects one capability, not {wanted}{hint}; "
                                     "this line adds no example", line, code="invalid-example"))
             continue
-        key = _routed_key(path, row.message, line, "this line adds no example", "invalid-example", problems)
+        key = _key_or_problem(path, row.message, line, "this line adds no example", "invalid-example", problems)
         if key is None:
             continue
         if (row.expect[0], key) in first:
@@ -129,10 +129,11 @@ def _tap_rows(tap: Path, name: str, lost: str, skipped: str, code: str) -> tuple
     return [(row, int(row.source.rsplit(":", 1)[1])) for row in rows], problems
 
 
-def _routed_key(path: Path, message: str, line: int, skipped: str, code: str, problems: list[Problem]) -> str | None:
-    """The text a message routes as, case and spacing aside (None, with a problem, when nothing is
-    left once its tags are removed)."""
-    key = recall_key(strip_tags(message))
+def _key_or_problem(path: Path, message: str, line: int, skipped: str, code: str,
+                    problems: list[Problem]) -> str | None:
+    """The message's :func:`~capd.text.routed_key` (None, with a problem, when nothing is left once
+    its tags are removed)."""
+    key = routed_key(message)
     if not key:
         problems.append(Problem("error", str(path), "nothing is left of the message once its tags are removed "
                                 f"(a message routes without them); {skipped}", line, code=code))

@@ -129,6 +129,13 @@ def recall_key(text: str) -> str:
     return " ".join(text.casefold().split())
 
 
+def routed_key(message: str) -> str:
+    """The text a message routes on (its tags removed), as :func:`recall_key` knows it: messages with
+    one key are one input to the model (a fixture and its copy, a veto, an example); "" when only
+    tags are left."""
+    return recall_key(strip_tags(message))
+
+
 class DuplicateKey(ValueError):
     """A JSON object gives ``key`` twice (:func:`unique_keys`)."""
 

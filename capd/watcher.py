@@ -349,11 +349,10 @@ class TapWatcher:
     def apply_changes(self, paths: Iterable[Path]) -> dict[str, Any]:
         """Reload what ``paths`` touched; errors are logged and shown in health, never raised.
 
-        Only tap files (``*.toml``, ``vetoes.jsonl``, ``examples.jsonl``, or without a suffix: a link's target may be
-        named so), folders
-        and paths that are gone count. A change to none of them (a log the daemon writes inside a tap,
-        ``2> capd.log``) reloaded the taps all the same, and the reload's log line was a change again:
-        a reload every debounce for as long as the daemon ran."""
+        Only tap files (``*.toml``, ``vetoes.jsonl``, ``examples.jsonl``, or without a suffix: a link's
+        target may be named so), folders and paths that are gone count. A change to none of them (a
+        log the daemon writes inside a tap, ``2> capd.log``) reloaded the taps all the same, and the
+        reload's log line was a change again: a reload every debounce for as long as the daemon ran."""
         relevant = [p for p in paths if p.suffix in (".toml", "") or p.name in (TAP_VETOES, TAP_EXAMPLES) or p.is_dir()
                     or not p.exists()]
         if not relevant:
