@@ -1,9 +1,9 @@
-"""``capd calibrate --examples``: the tap's examples (``<tap>/examples.jsonl``) scored out of fold.
+"""The fit part's positives as the tap's examples (``<tap>/examples.jsonl``), scored out of fold.
 
 Examples are more triggers, so a fixture row that is one of them finds its own copy and routes right
 at any gates: fitting the gates on such rows would fit them to nothing. :func:`plan_examples` says
-which examples calibration scores with (the fit part's rows expecting one capability with
-``--examples``, and those the file already has), and :func:`out_of_fold` scores each fit row by a
+which examples calibration scores with (the fit part's rows expecting one capability when they
+are added, and those the file already has), and :func:`out_of_fold` scores each fit row by a
 router whose examples are the other folds' rows (:func:`capd.calibrate.folds_of`) and the held-out
 part by one with them all, as the tap routes after ``--write``; :func:`pooled` puts the rows back
 into one table per variant for :func:`capd.calibrate.fit_gates`.
@@ -38,6 +38,7 @@ class ExamplePlan:
     kept: dict[str, list[str]]
     rows: np.ndarray
     dropped: int
+    added: bool  # every fit row expecting one capability is among rows (not only the file's)
 
     def examples(self, fixtures: Sequence[Fixture], rows: np.ndarray) -> dict[str, list[str]]:
         """``kept`` and the messages of ``rows`` (of :attr:`rows`), per capability."""
@@ -69,7 +70,7 @@ def plan_examples(catalog: Catalog, fixtures: Sequence[Fixture], add: bool) -> E
     dropped = sum(1 for name, key in in_file if key in messages and (name, key) not in used)
     if not rows and not dropped and not add:  # only the author's own: the tap as it routes is the one to score
         return None
-    return ExamplePlan(kept, np.array(rows, dtype=int), dropped)
+    return ExamplePlan(kept, np.array(rows, dtype=int), dropped, add)
 
 
 def pooled(fixtures: Sequence[Fixture], parts: Sequence[tuple[np.ndarray, ScoreTable]]) -> ScoreTable:

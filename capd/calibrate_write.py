@@ -1,6 +1,6 @@
 """What ``capd calibrate --write`` changes in a tap: the gates (and offsets) in ``<tap>/capd.toml``,
-the fit part's null rows appended to ``<tap>/vetoes.jsonl`` and, with ``--examples``, its positive
-rows to ``<tap>/examples.jsonl``.
+the fit part's null rows appended to ``<tap>/vetoes.jsonl`` and, when calibration added them as
+examples, its positive rows to ``<tap>/examples.jsonl``.
 
 Every edit is made and checked before any file is written (:func:`gates_edit`, :func:`vetoes_edit`,
 :func:`examples_edit`),
@@ -57,8 +57,8 @@ VETOES_HEADER = """\
 EXAMPLES_HEADER = """\
 # Examples of this tap's capabilities: each message routes as one more trigger of the capability it
 # expects (rules capd and fused; the anchor rule reads triggers alone). One fixture row per line,
-# "expect" naming one capability of this tap. `capd calibrate --examples --write` appends the fit
-# rows it fitted the gates with (the gates assume them); add your own freely.
+# "expect" naming one capability of this tap. `capd calibrate --write` appends the fit rows it
+# fitted the gates with when they measured better as examples (the gates assume them); add your own freely.
 """
 
 

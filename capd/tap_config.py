@@ -73,9 +73,9 @@ def load_tap_vetoes(tap: Path) -> tuple[tuple[str, ...], list[Problem]]:
 
 def load_tap_examples(tap: Path) -> tuple[tuple[Example, ...], list[Problem]]:
     """The rows of ``<tap>/examples.jsonl``: fixture rows that each expect one capability of the tap,
-    routed as more of its triggers (``capd calibrate --examples --write`` appends the fit part's
-    positive rows), and a problem per line that cannot be used. Whether the capability is the tap's
-    own is checked with the tap's capabilities (:func:`unknown_examples`)."""
+    routed as more of its triggers (``capd calibrate --write`` appends the fit part's positive
+    rows when it keeps them as examples), and a problem per line that cannot be used. Whether the
+    capability is the tap's own is checked with the tap's capabilities (:func:`unknown_examples`)."""
     path = tap / TAP_EXAMPLES
     rows, problems = _tap_rows(tap, TAP_EXAMPLES, "the tap has no examples", "this line adds no example",
                                "invalid-example")

@@ -106,7 +106,8 @@ def local_client(app: FastAPI, **kwargs: Any) -> TestClient:
 
 def calibrated_evalset(settings: Any, name: str, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``capd calibrate``'s report on a shared eval set's tap and ``dev.jsonl`` with the fused rule and
-    the real model, once per variant (``calibrate``'s keyword arguments, ``add_examples`` among them),
+    the real model, once per variant (``calibrate``'s keyword arguments; ``add_examples`` is False
+    unless a variant sets it: each measures one part, not what plain ``capd calibrate`` chooses),
     from one started service."""
     from dataclasses import replace
 
@@ -118,7 +119,8 @@ def calibrated_evalset(settings: Any, name: str, variants: dict[str, dict[str, A
     rows = load_fixtures([root / "dev.jsonl"])
     service = Service(replace(settings, taps=(root / "tap",), rule="fused")).start()
     try:
-        return {label: calibrate(service.router, rows, rebuild=service.router_with_examples, **kwargs)
+        return {label: calibrate(service.router, rows, rebuild=service.router_with_examples,
+                                 **{"add_examples": False, **kwargs})
                 for label, kwargs in variants.items()}
     finally:
         service.close()

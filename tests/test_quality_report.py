@@ -51,6 +51,7 @@ def test_held_out_figures_are_what_calibrate_reports(report: Report, rule: str, 
         offsets = calibrate(service.router, fixtures, offsets=True) if rule == "fused" else None
         examples = calibrate(service.router, fixtures, rebuild=service.router_with_examples,
                              add_examples=True) if rule == "fused" else None
+        chosen = calibrate(service.router, fixtures, rebuild=service.router_with_examples) if rule == "fused" else None
     finally:
         service.close()
     measured = result["sets"]["core"]["rules"][rule]
@@ -67,6 +68,12 @@ def test_held_out_figures_are_what_calibrate_reports(report: Report, rule: str, 
         assert measured["calibrated_examples"]["examples"] == examples["examples"]["fit_rows"] > 0
     else:
         assert "calibrated_examples" not in measured
+    if chosen is not None:  # plain `capd calibrate`: the summary's figures (with examples where they pay)
+        default = measured["calibrated_default"]
+        assert default["examples_added"] == (chosen["examples"] is not None)
+        assert (default["held_out"], default["gates"]) == (chosen["held_out"], chosen["recommended"])
+        assert chosen["add_examples"] == {"without": expected["recommended"]["fired_right"],
+                                          "with": examples["recommended"]["fired_right"]}
     assert measured["calibrated"]["held_out"] == expected["held_out"]
     assert measured["calibrated"]["fit"] == expected["fit"]
     assert measured["calibrated"]["gates"] == expected["recommended"]  # the abstain corpus choice included

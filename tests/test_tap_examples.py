@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import FOLDS, calibrate, folds_of, split
+from capd.calibrate import FOLDS, calibrate, examples_pay, folds_of, split
 from capd.calibrate_examples import plan_examples, pooled
 from capd.calibrate_write import examples_edit
 from capd.cli import main
@@ -129,10 +129,15 @@ def test_calibrate_scores_each_row_without_its_own_example(nonsense: tuple[Servi
     report = calibrate(service.router, rows, max_null_fpr=1.0, max_wrong=1.0, rebuild=service.router_with_examples,
                        add_examples=True)
     plain = calibrate(service.router, rows, max_null_fpr=1.0, max_wrong=1.0)
-    assert report["examples"] == {"fit_rows": len(fit_rows), "kept": 0, "dropped": 0, "folds": FOLDS}
+    assert report["examples"] == {"fit_rows": len(fit_rows), "kept": 0, "dropped": 0, "folds": FOLDS, "added": True}
     assert plain["examples"] is None
     assert report["fit"]["top1"] < 0.5 and report["held_out"]["top1"] < 0.5
     assert report["fit"]["top1"] == pytest.approx(plain["fit"]["top1"], abs=0.15)
+    # by default both are measured, and the report is the one of the choice
+    chosen = calibrate(service.router, rows, max_null_fpr=1.0, max_wrong=1.0, rebuild=service.router_with_examples)
+    without, with_them = plain["recommended"]["fired_right"], report["recommended"]["fired_right"]
+    assert chosen["add_examples"] == {"without": without, "with": with_them}
+    assert chosen == (report if examples_pay(without, with_them) else plain) | {"add_examples": chosen["add_examples"]}
 
 
 def test_pooled_takes_each_row_from_the_table_that_scored_it(nonsense: tuple[Service, list[Fixture]]) -> None:
@@ -197,6 +202,36 @@ def test_calibrate_write_appends_the_fit_positives_as_examples(tmp_path: Path) -
         assert result.exit_code == 2 and "--examples" in result.output
 
 
+def test_plain_calibrate_keeps_the_fit_positives_as_examples_only_where_they_measure_better(tmp_path: Path) -> None:
+    """Rows in words no trigger uses route at chance on triggers alone, and right out of fold once their
+    siblings are examples: plain `capd calibrate --write` keeps and writes them; `--no-examples` does not
+    measure them; rows the triggers already route are left alone (a tie keeps the tap as it is)."""
+    tap = octomind_tap(tmp_path / "tap")
+    fixtures = tmp_path / "routing.jsonl"
+    unlike = [(f"zebra quokka {word} banana", "database-postgres") for word in ("red", "blue", "green", "gold")]
+    unlike += [(f"mango tundra {word} violet", "filesystem-read") for word in ("red", "blue", "green", "gold")]
+    unlike *= 3  # one spelling per row would be one copy: a suffix keeps them apart
+    rows = [(f"{message} {i}", name) for i, (message, name) in enumerate(unlike)]
+    fixtures.write_text(_rows(*rows, *((f"my cat number {i} likes to sleep on the sofa", None) for i in range(12))))
+    args = ["calibrate", "--tap", str(tap), "--fixtures", str(fixtures), "--max-null-fpr", "1", "--max-wrong", "1",
+            "--model", "hash", "--data-dir", str(tmp_path / "data")]
+    off = json.loads(CliRunner().invoke(main, [*args, "--no-examples", "--json", "--write"]).output)
+    assert off["examples"] is None and off["add_examples"]["with"] is None and not (tap / "examples.jsonl").exists()
+    result = CliRunner().invoke(main, [*args, "--write"])
+    assert result.exit_code == 0, result.output
+    assert "fit fired_right without the fit positives as examples" in result.output
+    assert f"wrote {tap / 'examples.jsonl'}" in result.output
+    report = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)  # again, with the file written
+    tried = report["add_examples"]
+    assert tried["with"] == tried["without"]  # the file holds every fit positive now: nothing more to add
+    assert report["examples"]["fit_rows"] > 0 and not report["examples"]["added"]
+    chosen = json.loads(CliRunner().invoke(main, [*args[:2], str(octomind_tap(tmp_path / "fresh")), *args[3:],
+                                                  "--json"]).output)
+    assert examples_pay(chosen["add_examples"]["without"], chosen["add_examples"]["with"])
+    assert chosen["add_examples"]["without"] < 0.8 <= chosen["add_examples"]["with"]
+    assert chosen["examples"]["added"]
+
+
 @pytest.fixture
 def core_copy(tmp_path: Path) -> Path:
     tap = tmp_path / "core"
@@ -223,16 +258,19 @@ def test_an_example_routes_a_message_like_it_on_the_real_model(model_settings: S
 
 
 @pytest.mark.skipif(not (EVALSETS / "hwu64_scenario_oos").is_dir(), reason="../shared/evalsets is not present")
-def test_the_fit_positives_as_examples_lift_hwu64_held_out(model_settings: Settings) -> None:
+def test_plain_calibrate_adds_the_fit_positives_on_hwu64_and_they_lift_it_held_out(model_settings: Settings) -> None:
     """Measured held out (fused, calibrated on the fit part, vetoes on): fired_right 0.783 -> 0.835,
-    null_fpr 0.041 -> 0.020, top1 0.875 -> 0.915 (`capd calibrate … --examples`)."""
-    reports = calibrated_evalset(model_settings, "hwu64_scenario_oos", {"with": {"add_examples": True},
+    null_fpr 0.041 -> 0.020, top1 0.875 -> 0.915. Plain `capd calibrate` measures both and keeps the
+    examples (fit fired_right 0.792 -> 0.819 out of fold): the issue's goal is met by default."""
+    reports = calibrated_evalset(model_settings, "hwu64_scenario_oos", {"default": {"add_examples": None},
                                                                         "without": {}})
-    with_examples, without = reports["with"], reports["without"]
-    assert with_examples["examples"]["fit_rows"] > 500 and without["examples"] is None
-    held, before = with_examples["held_out"], without["held_out"]
-    assert held["fired_right"] >= before["fired_right"] + 0.03
-    assert held["top1"] >= before["top1"] + 0.03
+    chosen, without = reports["default"], reports["without"]
+    assert chosen["examples"]["fit_rows"] > 500 and chosen["examples"]["added"] and without["examples"] is None
+    tried = chosen["add_examples"]
+    assert tried["without"] == without["recommended"]["fired_right"] and examples_pay(tried["without"], tried["with"])
+    held, before = chosen["held_out"], without["held_out"]
+    assert held["fired_right"] >= before["fired_right"] + 0.03 and held["fired_right"] >= 0.80
+    assert held["top1"] >= before["top1"] + 0.03 and held["top1"] >= 0.90
     assert held["null_fpr"] <= 0.05 and held["fired_wrong"] <= 0.03
 
 

@@ -34,7 +34,7 @@ def run_set(bench: Bench, evalset: EvalSet, folds: int) -> dict[str, Any]:
         table = plain[False][grid.top_ks[0]]
         winners = table.gate_inputs()[0]
         misses = np.array([i for i in every.rows if not table.expected[i, winners[i]]], dtype=int)
-        plans = {"examples": every, "misses": ExamplePlan(every.kept, misses, every.dropped)}
+        plans = {"examples": every, "misses": ExamplePlan(every.kept, misses, every.dropped, added=False)}
         variants = {"shipped": plain}
         for name, plan in plans.items():
             variants[name], _ = out_of_fold(on.service.router_with_examples, plan, fixtures, vectors, tokens, grid,

@@ -318,23 +318,28 @@ def offset_lines(result: dict[str, Any]) -> list[str]:
 
 
 def examples_lines(result: dict[str, Any]) -> list[str]:
-    """``capd calibrate --examples``: the summary with them, and calibrated without → with them."""
-    lines = ["`capd calibrate --examples` routes with the fit part's rows that expect one capability as more of "
-             "its triggers (`--write` appends them to `<tap>/examples.jsonl`). The gates are fitted out of fold: "
-             "the fit part is cut into 5 folds by a hash of the message, and each fit row is scored by a router "
-             "whose examples are the other folds' rows (the fit nulls are vetoes, as without the flag); the "
-             "held-out part is scored by a router with them all, as the tap routes after `--write`. Opt-in. "
-             "Before = anchor, calibrated; after = fused, calibrated with the examples (and the vetoes), held-out:",
+    """The fit positives as examples: the summary with them everywhere (``--examples``), and
+    calibrated without → with them, with plain ``capd calibrate``'s choice."""
+    lines = ["`capd calibrate` can route with the fit part's rows that expect one capability as more of "
+             "its triggers (`--write` appends them to `<tap>/examples.jsonl`). The gates are then fitted out of "
+             "fold: the fit part is cut into 5 folds by a hash of the message, and each fit row is scored by a "
+             "router whose examples are the other folds' rows (the fit nulls are vetoes, as without them); the "
+             "held-out part is scored by a router with them all, as the tap routes after `--write`. It measures "
+             "both and keeps them where they add 0.02 or more to the fit fired_right (`--examples` / "
+             "`--no-examples` force it). Before = anchor, calibrated; after = fused, calibrated with the examples "
+             "on every set (`--examples`; and the vetoes), held-out:",
              "", *summary_lines(result, "fused", "calibrated_examples"), "",
              "Without → with the examples, same calibration otherwise; held-out top1, held-out fired_right / "
-             "fired_wrong / null_fpr, and fit fired_right (without: tuned on; with: out of fold).", "",
-             "| set | examples | held-out top1 | held-out without | held-out with | fit fired_right |",
-             "|---|---|---|---|---|---|"]
+             "fired_wrong / null_fpr, and fit fired_right (without: tuned on; with: out of fold), which "
+             "`capd calibrate` chooses by.", "",
+             "| set | examples | kept by `capd calibrate` | held-out top1 | held-out without | held-out with "
+             "| fit fired_right |", "|---|---|---|---|---|---|---|"]
     for name, data in result["sets"].items():
         r = data["rules"].get("fused", {})
         if "calibrated" in r and r.get("calibrated_examples"):
             before, after = r["calibrated"], r["calibrated_examples"]
-            lines.append(_compared(f"{name} | {after['examples']}", before, after))
+            kept = "yes" if (r.get("calibrated_default") or {}).get("examples_added") else "no"
+            lines.append(_compared(f"{name} | {after['examples']} | {kept}", before, after))
     return [*lines, ""]
 
 
@@ -375,13 +380,16 @@ def render(result: dict[str, Any], out: Path) -> str:
         "abstain corpus (`+ abstain corpus` on the gates). The `capd` rule scores exactly like `anchor` (it "
         "differs in session semantics, learned corrections and vetoes), so it is not shown separately.", "",
         *(f"- {note}" for note in result["skipped"]), *([""] if result["skipped"] else []),
-        "## Summary: before (anchor, calibrated) → after (fused, calibrated), held-out", "",
+        "## Summary: before (anchor, calibrated) → after (fused, `capd calibrate`), held-out", "",
         f"Goal per set: top1 ≥ {GOAL['top1']}, fired_right ≥ {GOAL['fired_right']} with null_fpr ≤ "
         f"{GOAL['null_fpr']} and fired_wrong ≤ {GOAL['fired_wrong']}; ✓/✗ mark the *after* value. One held-out "
-        "null is 1/n of null_fpr, so small sets move in large steps.", "",
-        *summary_lines(result), "",
+        "null is 1/n of null_fpr, so small sets move in large steps. *After* is what plain `capd calibrate` "
+        "fits: with the fit part's null rows as vetoes, and with its positives as examples where that adds "
+        "0.02 or more to the fit fired_right out of fold (the next sections show each part's contribution).", "",
+        *summary_lines(result, "fused", "calibrated_default"), "",
         "## The tap's vetoes: calibrated without → with the fit part's null rows", "", *veto_lines(result),
-        "## The fit part's positives as examples (`capd calibrate --examples`)", "", *examples_lines(result),
+        "## The fit part's positives as examples (`capd calibrate` keeps them where they measure better)", "",
+        *examples_lines(result),
         "## Per-capability offsets (`capd calibrate --offsets`)", "", *offset_lines(result),
         "## The coverage gate: fused calibrated without → with it", "", *coverage_lines(result),
         "## Tuned model: before (anchor, calibrated) → after (fused + tuned, calibrated), held-out", "",

@@ -50,6 +50,7 @@ import numpy as np
 
 from capd.calibrate import (
     Point,
+    examples_pay,
     fit_gates,
     fit_vetoes,
     fitted_router,
@@ -287,7 +288,8 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
                   default: dict[str, float], tokens: list[np.ndarray] | None = None,
                   examples: bool = False) -> dict[str, Any]:
     """Default, calibrated (fit → held-out) and all-rows gates for the service's rule; with
-    ``examples``, also ``capd calibrate --examples`` (:func:`calibrated_examples`)."""
+    ``examples``, also ``capd calibrate --examples`` (:func:`calibrated_examples`) and what plain
+    ``capd calibrate`` keeps of the two (:func:`default_calibration`)."""
     router = service.router
     grid = grid_for(router.rule)
     plain = score_variants(router, fixtures, vectors, tokens, grid)  # as the tap routes before calibration
@@ -347,6 +349,7 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
                                              "fit": gated(table, fit_rows, point)}
     if examples:
         out["calibrated_examples"] = calibrated_examples(service, fixtures, vectors, tokens)
+        out["calibrated_default"] = default_calibration(out)
     everything = fit_gates(plain, np.arange(len(fixtures)), grid=grid, **LIMITS)  # the ceiling, as before
     if (ceiling := everything.point) is not None:
         out["all_rows"] = {"gates": ceiling.as_dict(),
@@ -372,6 +375,16 @@ def calibrated_examples(service: Service, fixtures: Sequence[Fixture], vectors: 
     table = fitted.tables[point.top_k]
     return {"gates": point.as_dict(), "held_out": gated(table, held_rows, point), "fit": gated(table, fit_rows, point),
             "examples": len(plan.rows)}
+
+
+def default_calibration(out: dict[str, Any]) -> dict[str, Any] | None:
+    """What plain ``capd calibrate`` keeps: the calibration with the fit positives as examples when
+    they add ``EXAMPLES_MIN_GAIN`` to the fit fired_right (:func:`capd.calibrate.examples_pay`), else
+    the one without; ``examples_added`` says which."""
+    without, with_them = out.get("calibrated"), out.get("calibrated_examples")
+    added = examples_pay(without and without["gates"]["fired_right"], with_them and with_them["gates"]["fired_right"])
+    chosen = with_them if added else without
+    return None if chosen is None else {**chosen, "examples_added": added}
 
 
 def timing(bench: Bench, service: Service, fixtures: Sequence[Fixture], vectors: np.ndarray) -> dict[str, float]:

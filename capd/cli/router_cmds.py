@@ -317,18 +317,21 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
               "(and write no vetoes.jsonl).")
 @click.option("--offsets", "with_offsets", is_flag=True, help="fused: also fit per-capability offsets "
               "(--write stores them in [gates.fused.offsets]; without this flag it removes that table's lines).")
-@click.option("--examples", "with_examples", is_flag=True, help="Route with the fit part's rows that expect one "
-              "capability as more of its triggers, the gates fitted out of fold (--write appends them to "
-              "<tap>/examples.jsonl). Rules capd and fused.")
+@click.option("--examples/--no-examples", "with_examples", default=None, help="Route with the fit part's rows that "
+              "expect one capability as more of its triggers, the gates fitted out of fold (--write appends them to "
+              "<tap>/examples.jsonl). Rules capd and fused. Default: both are measured, the examples kept when they "
+              "add 0.02 or more to the fit part's fired_right (not with --offsets).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
               backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, max_null_fpr: float,
-              max_wrong: float, write: bool, no_vetoes: bool, with_offsets: bool, with_examples: bool,
+              max_wrong: float, write: bool, no_vetoes: bool, with_offsets: bool, with_examples: bool | None,
               as_json: bool) -> None:
     """Sweep the gates, recommend the point with most fired_right within the limits.
 
     The tap's examples (examples.jsonl) that are fit rows are scored out of fold: each row by a
-    router without its own copy, so the gates are fitted on messages the tap does not know.
+    router without its own copy, so the gates are fitted on messages the tap does not know. The
+    fit part's positives become more examples when that measures better (--examples / --no-examples
+    to choose).
 
     Example: capd calibrate --tap taps/core --fixtures taps/core/fixtures/positives.jsonl --write
     """
@@ -338,10 +341,10 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
 
     if write and not taps:  # the configured taps could be the shipped ones, inside capd's own install
         raise Failed("--write needs --tap: name the tap whose capd.toml gets the gates", EXIT_USAGE)
-    if with_examples and with_offsets:
+    if with_examples is True and with_offsets:
         raise Failed("--examples and --offsets are not fitted together yet: choose one", EXIT_USAGE)
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
-    if with_examples and settings.rule == "anchor":
+    if with_examples is True and settings.rule == "anchor":
         raise Failed("--examples: the anchor rule routes on triggers alone (use --rule capd or fused)", EXIT_USAGE)
     fixtures = load_fixtures(fixture_files)
     service = _service(settings)
@@ -351,8 +354,7 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
                              add_examples=with_examples)
     point = report["recommended"]
     refused = write and point is not None and NO_NULLS in report["warnings"]
-    write_refused = (_write_calibration(report, service, settings, fixtures, refused, no_vetoes, with_examples)
-                     if write else "")
+    write_refused = (_write_calibration(report, service, settings, fixtures, refused, no_vetoes) if write else "")
     if as_json:
         emit_json(report)
     else:
@@ -366,12 +368,12 @@ def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None
 
 
 def _write_calibration(report: dict[str, Any], service: Any, settings: Settings, fixtures: Sequence[Fixture],
-                       refused: bool, no_vetoes: bool, with_examples: bool) -> str:
+                       refused: bool, no_vetoes: bool) -> str:
     """``--write``: every edit made and checked before any file is written (the gates and offsets in
-    each tap's ``capd.toml``, the fit part's null rows in its ``vetoes.jsonl`` and, with
-    ``--examples``, its rows expecting one capability in the ``examples.jsonl`` of that capability's
-    tap). ``report["written"]`` lists what was written, also before a refusal; returns why a tap
-    file cannot take the recommendation ("" when none)."""
+    each tap's ``capd.toml``, the fit part's null rows in its ``vetoes.jsonl`` and, when calibration
+    added them (``report["examples"]["added"]``), its rows expecting one capability in the
+    ``examples.jsonl`` of that capability's tap). ``report["written"]`` lists what was written, also
+    before a refusal; returns why a tap file cannot take the recommendation ("" when none)."""
     from capd.calibrate import fit_vetoes
     from capd.calibrate_examples import plan_examples
     from capd.calibrate_write import examples_edit, gates_edit, vetoes_edit, write_appended
@@ -392,7 +394,8 @@ def _write_calibration(report: dict[str, Any], service: Any, settings: Settings,
             for t in settings.taps]
         rows = fit_vetoes(fixtures, settings.rule) if edits and not no_vetoes else []
         lines = [e for e in (vetoes_edit(Path(t), rows) for t in settings.taps) if e is not None] if rows else []
-        plan = plan_examples(catalog, fixtures, True) if edits and with_examples else None
+        added = (report["examples"] or {}).get("added", False)
+        plan = plan_examples(catalog, fixtures, True) if edits and added else None
         if plan is not None:
             examples = [fixtures[i] for i in plan.rows]
             for tap in map(Path, settings.taps):
@@ -412,7 +415,7 @@ def _echo_calibration(report: dict[str, Any], max_null_fpr: float, max_wrong: fl
                       with_offsets: bool) -> None:
     """``capd calibrate``'s text report: warnings on stderr, then the curve, the recommendation and
     its fit / held-out figures, what the tap gets without calibration, and the files written."""
-    from capd.calibrate import CORPUS_MIN_GAIN
+    from capd.calibrate import CORPUS_MIN_GAIN, EXAMPLES_MIN_GAIN
 
     for warning in report.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
@@ -440,10 +443,16 @@ def _echo_calibration(report: dict[str, Any], max_null_fpr: float, max_wrong: fl
             click.echo("  fitted without the tap's vetoes (--no-vetoes)" if no_vetoes else
                        f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
                        + (" (--write adds them to vetoes.jsonl)" if report["vetoes"] else ""))
+        tried = report["add_examples"]
+        if tried["without"] is not None and tried["with"] is not None:
+            click.echo(f"  fit fired_right without the fit positives as examples {_fmt(tried['without'])}, with them "
+                       f"{_fmt(tried['with'])} out of fold (kept when they add {EXAMPLES_MIN_GAIN} or more; "
+                       "--examples / --no-examples to choose)")
         if (examples := report.get("examples")) is not None:
             click.echo(f"  fitted with {examples['fit_rows']} fit rows as examples, each row scored without its own "
                        f"fold's ({examples['folds']} folds)" + (f", and {examples['kept']} other examples of the tap"
-                                                                if examples["kept"] else ""))
+                                                                if examples["kept"] else "")
+                       + (" (--write appends them to examples.jsonl)" if examples["added"] else ""))
         if fused and with_offsets:
             moved = sorted(report["offsets"].items(), key=lambda item: -abs(item[1]))
             click.echo(f"  per-capability offsets: {len(moved)}" + ("" if not moved else " (largest: " + ", ".join(
