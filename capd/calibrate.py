@@ -44,11 +44,11 @@ The fit part's rows that expect one capability can become examples of it (more t
 fit row scored by a router with the other folds' rows as examples, the held-out part by one with
 them all. The file's own lines that are fit rows are always scored that way. Whether to add them
 is measured, like the corpus: the sweep runs without and with them, and they are kept when they add
-at least ``EXAMPLES_MIN_GAIN`` to ``fired_right`` on the fitting part within the limits (``--examples``
-/ ``--no-examples`` force the choice). Out of fold, the fit part foretold the held-out part's
-verdict on all six sets measured: hwu64 +0.027 (held out +0.052), snips7 +0.078, clinc150_domain
-+0.11, clinc150_intent +0.16 (held out they met the issue's goal), and taps/core -0.032 and
-healthcare -0.091, which keep their triggers alone (``benchmarks/quality/README.md``).
+at least ``EXAMPLES_MIN_GAIN`` to ``fired_right`` on the fitting part within the limits
+(``--examples`` / ``--no-examples`` force the choice). Out of fold, the fit part foretold the
+held-out part's verdict on all six sets measured: hwu64 +0.027 (held out +0.052), snips7 +0.078,
+clinc150_domain +0.11, clinc150_intent +0.16 (held out they met the issue's goal), and taps/core
+-0.032 and healthcare -0.091, which keep their triggers alone (``benchmarks/quality/README.md``).
 
 ``--write`` stores the point in ``<tap>/capd.toml`` (``[gates]`` plus the model it was fitted
 for), updating the file in place so that what the tap's author wrote there stays, and the veto rows
@@ -79,9 +79,6 @@ FOLDS = 5  # the fit part's folds when examples are scored out of fold (capd.cal
 # capability -> examples: a router with them as the tap's examples (Service.router_with_examples)
 Rebuild = Callable[[Mapping[str, Sequence[str]]], Router]
 CORPUS_MIN_GAIN = 0.02  # fit fired_right the abstain corpus must add to be kept
-# fit fired_right the fit positives as examples must add (out of fold) to be kept: the corpus's
-# noise floor; the smallest gain measured that held out was hwu64's 0.027
-EXAMPLES_MIN_GAIN = CORPUS_MIN_GAIN
 
 
 @dataclass(frozen=True)
@@ -328,72 +325,47 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
     part's null rows veto every capability while the gates are fitted (:func:`fit_vetoes`); with
     ``offsets`` (``fused`` only) the per-capability offsets are fitted first (:func:`fit_offsets`).
     ``rebuild`` (:meth:`capd.service.Service.router_with_examples`) lets the tap's examples be scored
-    out of fold (:class:`~capd.calibrate_examples.ExamplePlan`): those of ``examples.jsonl`` that are fit rows and
+    out of fold (:class:`~capd.calibrate_examples.ExamplePlan`): those of ``examples.jsonl`` that are fit rows, and
     every fit row expecting one capability when ``add_examples`` is True (``--examples``), never when
     False, and when None (the default) if that adds ``EXAMPLES_MIN_GAIN`` to the fit ``fired_right``
     (not with ``offsets``); ``add_examples`` in the report says what each gave. Without ``rebuild`` the
     tap is scored as it routes. Examples and offsets are not fitted together (CapdError).
     Without a positive row in the fit part nothing is recommended (``error`` says why): a sweep
     there would choose gates that never fire."""
+    from capd.calibrate_examples import Sweep, plan_examples  # they build on this module's scoring
+
     fit_rows, held_rows = split(fixtures)
     positives = sum(fixtures[i].positive for i in fit_rows)
     nulls = len(fit_rows) - positives
-    counts = {"fit": len(fit_rows), "held_out": len(held_rows), "fit_nulls": nulls}
+    report: dict[str, Any] = {"rule": router.rule, "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
+                              "rows": {"fit": len(fit_rows), "held_out": len(held_rows), "fit_nulls": nulls}}
     if not positives:  # every point would tie at fired_right 0, and the tie goes to the gates that fire least
-        return {"rule": router.rule, "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
-                "rows": counts, "recommended": None,
-                "error": f"no positive row to fit on ({sum(f.positive for f in fixtures)} positive rows in all, "
-                         f"and calibration fits on about {1 - HELD_OUT_SHARE:.0%} of the rows, chosen by a hash of "
-                         "each message): add rows that expect a capability",
-                "abstain_corpus": {"without": None, "with": None}, "vetoes": 0, "offsets": {}, "examples": None,
-                "add_examples": {"without": None, "with": None}, "curve": [],
-                "warnings": [NO_NULLS] if nulls == 0 else []}
-    from capd.calibrate_examples import ExamplePlan, out_of_fold, plan_examples  # it builds on this module's scoring
-
-    examples_apply = rebuild is not None and router.rule != "anchor"
-    plan = plan_examples(router.catalog, fixtures, add_examples is True) if examples_apply else None
+        return report | _NOTHING_TO_FIT | {
+            "error": f"no positive row to fit on ({sum(f.positive for f in fixtures)} positive rows in all, "
+                     f"and calibration fits on about {1 - HELD_OUT_SHARE:.0%} of the rows, chosen by a hash of "
+                     "each message): add rows that expect a capability",
+            "warnings": [NO_NULLS] if nulls == 0 else []}
+    plan = (plan_examples(router.catalog, fixtures, add_examples is True)
+            if rebuild is not None and router.rule != "anchor" else None)
     if plan is not None and offsets:
         raise CapdError("per-capability offsets and the tap's examples are not fitted together yet: calibrate "
                         "with one of them (--offsets, or --examples / the tap's examples.jsonl)")
     vectors, tokens = embed_fixtures(router, fixtures)
-    grid = grid or grid_for(router.rule)
-    untouched = router
-
-    def scored(plan: ExamplePlan | None) -> tuple[Variants, list[Fixture], OffsetFit | None]:
-        if plan is None:
-            fitting, veto_rows, found = fitted_router(untouched, fixtures, vectors, tokens, vetoes, offsets)
-            return score_variants(fitting, fixtures, vectors, tokens, grid, found), veto_rows, found
-        assert rebuild is not None
-        return *out_of_fold(rebuild, plan, fixtures, vectors, tokens, grid, vetoes), None
-
-    variants, veto_rows, fitted_offsets = scored(plan)
-    fitted = fit_gates(variants, fit_rows, grid, max_null_fpr, max_wrong)
-    tried: dict[str, float | None] = {"without": None, "with": None}
-    tried["with" if add_examples else "without"] = _fired_right(fitted)
-    if add_examples is None and examples_apply and not offsets:  # measure both (EXAMPLES_MIN_GAIN)
-        added = plan_examples(router.catalog, fixtures, True)
-        if added is not None and (plan is None or not np.array_equal(added.rows, plan.rows)):
-            more = scored(added)
-            more_fitted = fit_gates(more[0], fit_rows, grid, max_null_fpr, max_wrong)
-            tried["with"] = _fired_right(more_fitted)
-            if examples_pay(tried["without"], tried["with"]):
-                plan, (variants, veto_rows, fitted_offsets), fitted = added, more, more_fitted
-        else:  # the tap's examples.jsonl already holds every fit positive: nothing to add
-            tried["with"] = tried["without"]
-    point = fitted.point
+    sweep = Sweep(router, fixtures, vectors, tokens, grid or grid_for(router.rule), (max_null_fpr, max_wrong),
+                  vetoes, offsets, rebuild)
+    scoring, tried = sweep.chosen(plan, add_examples)
+    fitted, plan, point = scoring.fitted, scoring.plan, scoring.fitted.point
     error = None
     if point is not None and point.fired_right <= 0:  # the same tie: gates that fire nothing would be written
-        point, error = None, (f"no gates within the limits fire any of the {positives} fit positive rows right "
-                              "(too short to route, expecting capabilities without triggers, or beaten by the "
-                              "nulls the limits must keep out): nothing to recommend")
-    report: dict[str, Any] = {
-        "rule": router.rule,
-        "limits": {"max_null_fpr": max_null_fpr, "max_wrong": max_wrong},
-        "rows": counts,
+        point, error = None, (
+            f"no gates within the limits fire any of the {positives} fit positive rows right (too short to route, "
+            "expecting capabilities without triggers, or beaten by the nulls the limits must keep out): nothing to "
+            "recommend")
+    report |= {
         "recommended": _measured(point, nulls) if point else None,
         "abstain_corpus": fitted.corpus,
-        "vetoes": len(veto_rows),
-        "offsets": {} if fitted_offsets is None else fitted_offsets.offsets,
+        "vetoes": len(scoring.veto_rows),
+        "offsets": {} if scoring.offsets is None else scoring.offsets.offsets,
         "examples": None if plan is None else {
             "fit_rows": len(plan.rows), "kept": sum(len(m) for m in plan.kept.values()), "dropped": plan.dropped,
             "folds": FOLDS, "added": plan.added},
@@ -413,21 +385,17 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
             f"{plan.dropped} of the tap's examples (examples.jsonl) are fixture rows that are not fit rows expecting "
             "that capability (held out, or expecting something else): calibration scored without them, but the "
             "tap routes with them, so its held-out figures are not those of unseen messages")
-    if auto is not None and auto.top_k in variants[False]:  # as the tap routes before --write: no new vetoes
-        held = score_table(untouched, fixtures, top_k=auto.top_k, vectors=vectors, tokens=tokens).subset(held_rows)
+    if auto is not None and auto.top_k in scoring.variants[False]:  # as the tap routes before --write: no new vetoes
+        held = score_table(router, fixtures, top_k=auto.top_k, vectors=vectors, tokens=tokens).subset(held_rows)
         report["auto_gates"] = {"gates": auto.as_dict(), "held_out": metrics(
             held, apply_gates(held, auto.threshold, auto.margin, auto.coverage))}
     return report
 
 
-def examples_pay(without: float | None, with_them: float | None) -> bool:
-    """Whether calibration keeps the fit positives as examples, from the fit ``fired_right`` within
-    the limits without and with them (out of fold; None: no point meets the limits)."""
-    return with_them is not None and (without is None or with_them >= without + EXAMPLES_MIN_GAIN - 1e-9)
-
-
-def _fired_right(fitted: Fitted) -> float | None:
-    return fitted.point.fired_right if fitted.point is not None else None
+# the rest of the report when the fit part has no positive row
+_NOTHING_TO_FIT: dict[str, Any] = {
+    "recommended": None, "abstain_corpus": {"without": None, "with": None}, "vetoes": 0, "offsets": {},
+    "examples": None, "add_examples": {"without": None, "with": None}, "curve": []}
 
 
 NO_NULLS = ("no null row in the fit part: the null_fpr limit was never checked, so the gates may fire on "

@@ -7,6 +7,10 @@ are added, and those the file already has), and :func:`out_of_fold` scores each 
 router whose examples are the other folds' rows (:func:`capd.calibrate.folds_of`) and the held-out
 part by one with them all, as the tap routes after ``--write``; :func:`pooled` puts the rows back
 into one table per variant for :func:`capd.calibrate.fit_gates`.
+
+:class:`Sweep` scores the fixtures one way or the other (:class:`Scoring`) and chooses: the fit
+positives are kept as examples when they add ``EXAMPLES_MIN_GAIN`` to the fit fired_right
+(:func:`examples_pay`), unless ``--examples`` / ``--no-examples`` decided it.
 """
 
 from __future__ import annotations
@@ -17,12 +21,30 @@ from typing import Any
 
 import numpy as np
 
-from capd.calibrate import FOLDS, Grid, Rebuild, Variants, fitted_router, folds_of, score_variants, split
+from capd.calibrate import (
+    CORPUS_MIN_GAIN,
+    FOLDS,
+    Fitted,
+    Grid,
+    Rebuild,
+    Variants,
+    fit_gates,
+    fitted_router,
+    folds_of,
+    score_variants,
+    split,
+)
 from capd.catalog import Catalog
 from capd.encoder import TokenVectors
 from capd.evaluation import ScoreTable
 from capd.fixtures import Fixture
+from capd.offsets import OffsetFit
+from capd.router import Router
 from capd.text import routed_key
+
+# fit fired_right the fit positives as examples must add (out of fold) to be kept: the abstain
+# corpus's noise floor; the smallest gain measured that held out was hwu64's 0.027
+EXAMPLES_MIN_GAIN = CORPUS_MIN_GAIN
 
 
 @dataclass(frozen=True)
@@ -119,3 +141,71 @@ def out_of_fold(rebuild: Rebuild, plan: ExamplePlan, fixtures: Sequence[Fixture]
     first = parts[0][1]
     return {on: {k: pooled(fixtures, [(rows, variants[on][k]) for rows, variants in parts]) for k in first[on]}
             for on in first}, veto_rows
+
+
+def examples_pay(without: float | None, with_them: float | None) -> bool:
+    """Whether calibration keeps the fit positives as examples, from the fit ``fired_right`` within
+    the limits without and with them (out of fold; None: no point meets the limits)."""
+    return with_them is not None and (without is None or with_them >= without + EXAMPLES_MIN_GAIN - 1e-9)
+
+
+def _fired_right(fitted: Fitted) -> float | None:
+    return fitted.point.fired_right if fitted.point is not None else None
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """One way of scoring the fixtures for the sweep, and the gates fitted on it."""
+
+    plan: ExamplePlan | None  # the examples scored out of fold (None: the tap as it routes)
+    variants: Variants
+    veto_rows: list[Fixture]
+    offsets: OffsetFit | None
+    fitted: Fitted
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What every scoring of one calibration shares: the router as the tap routes, the fixtures
+    and their vectors, the grid, the limits and the options."""
+
+    router: Router
+    fixtures: Sequence[Fixture]
+    vectors: np.ndarray
+    tokens: TokenVectors | None
+    grid: Grid
+    limits: tuple[float, float]  # max_null_fpr, max_wrong
+    vetoes: bool
+    offsets: bool
+    rebuild: Rebuild | None
+
+    def scored(self, plan: ExamplePlan | None) -> Scoring:
+        """The fixtures scored with ``plan``'s examples out of fold (:func:`~capd.calibrate_examples.out_of_fold`),
+        or as the tap routes, and the gates fitted on the fit part."""
+        fixtures, vectors, tokens = self.fixtures, self.vectors, self.tokens
+        offsets = None
+        if plan is None:
+            fitting, veto_rows, offsets = fitted_router(self.router, fixtures, vectors, tokens, self.vetoes,
+                                                        self.offsets)
+            variants = score_variants(fitting, fixtures, vectors, tokens, self.grid, offsets)
+        else:
+            assert self.rebuild is not None
+            variants, veto_rows = out_of_fold(self.rebuild, plan, fixtures, vectors, tokens, self.grid, self.vetoes)
+        fitted = fit_gates(variants, split(fixtures)[0], self.grid, *self.limits)
+        return Scoring(plan, variants, veto_rows, offsets, fitted)
+
+    def chosen(self, plan: ExamplePlan | None, add_examples: bool | None) -> tuple[Scoring, dict[str, float | None]]:
+        """The scoring with ``plan`` or, when ``add_examples`` is None, the one with the fit positives as
+        examples if they pay (:func:`examples_pay`); and the fit fired_right without and with them."""
+        scoring = self.scored(plan)
+        tried: dict[str, float | None] = {"without": None, "with": None}
+        tried["with" if add_examples else "without"] = _fired_right(scoring.fitted)
+        if add_examples is not None or self.rebuild is None or self.router.rule == "anchor" or self.offsets:
+            return scoring, tried
+        added = plan_examples(self.router.catalog, self.fixtures, True)
+        if added is None or (plan is not None and np.array_equal(added.rows, plan.rows)):
+            tried["with"] = tried["without"]  # the tap's examples.jsonl already holds every fit positive
+            return scoring, tried
+        more = self.scored(added)
+        tried["with"] = _fired_right(more.fitted)
+        return (more if examples_pay(tried["without"], tried["with"]) else scoring), tried

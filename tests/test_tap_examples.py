@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from capd.calibrate import FOLDS, calibrate, examples_pay, folds_of, split
-from capd.calibrate_examples import plan_examples, pooled
+from capd.calibrate import FOLDS, calibrate, folds_of, split
+from capd.calibrate_examples import examples_pay, plan_examples, pooled
 from capd.calibrate_write import examples_edit
 from capd.cli import main
 from capd.evaluation import score_table

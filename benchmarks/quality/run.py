@@ -50,7 +50,6 @@ import numpy as np
 
 from capd.calibrate import (
     Point,
-    examples_pay,
     fit_gates,
     fit_vetoes,
     fitted_router,
@@ -58,7 +57,7 @@ from capd.calibrate import (
     score_variants,
     split,
 )
-from capd.calibrate_examples import out_of_fold, plan_examples
+from capd.calibrate_examples import examples_pay, out_of_fold, plan_examples
 from capd.encoder import Encoder, open_encoder
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files

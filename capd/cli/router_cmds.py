@@ -415,7 +415,8 @@ def _echo_calibration(report: dict[str, Any], max_null_fpr: float, max_wrong: fl
                       with_offsets: bool) -> None:
     """``capd calibrate``'s text report: warnings on stderr, then the curve, the recommendation and
     its fit / held-out figures, what the tap gets without calibration, and the files written."""
-    from capd.calibrate import CORPUS_MIN_GAIN, EXAMPLES_MIN_GAIN
+    from capd.calibrate import CORPUS_MIN_GAIN
+    from capd.calibrate_examples import EXAMPLES_MIN_GAIN
 
     for warning in report.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
