@@ -199,7 +199,7 @@ class Sweep:
         examples if they pay (:func:`examples_pay`); and the fit fired_right without and with them."""
         scoring = self.scored(plan)
         tried: dict[str, float | None] = {"without": None, "with": None}
-        tried["with" if add_examples else "without"] = _fired_right(scoring.fitted)
+        tried["with" if plan is not None and plan.added else "without"] = _fired_right(scoring.fitted)
         if add_examples is not None or self.rebuild is None or self.router.rule == "anchor" or self.offsets:
             return scoring, tried
         added = plan_examples(self.router.catalog, self.fixtures, True)
