@@ -222,7 +222,9 @@ def tuned_lines(result: dict[str, Any]) -> list[str]:
         return ["Not run (`--no-tune`, or no set could be tuned).", ""]
     lines = ["`tune = true` (`capd/tuning.py`): a copy of the model fine-tuned on each tap's own examples "
              "(triggers, description, name; never fixture rows), cached by the tap's content hash. Gates "
-             "calibrated on the fit part as above; held-out. Before = anchor with the untuned model.", "",
+             "calibrated on the fit part with its nulls as vetoes, without its positives as examples on either "
+             "side (`--no-examples`: the tuned model trains on triggers, not examples); held-out. Before = anchor "
+             "with the untuned model.", "",
              *summary_lines({"sets": tuned}, "fused+tuned"), "",
              "Held-out fired_right / top1 per rule, untuned → tuned:", "",
              "| set | anchor fired_right | fused fired_right | anchor top1 | fused top1 | tuning (steps, train s) |",
