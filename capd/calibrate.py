@@ -332,7 +332,7 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
     tap is scored as it routes. Examples and offsets are not fitted together (CapdError).
     Without a positive row in the fit part nothing is recommended (``error`` says why): a sweep
     there would choose gates that never fire."""
-    from capd.calibrate_examples import Sweep, plan_examples  # they build on this module's scoring
+    from capd.calibrate_examples import Sweep, examples_apply, plan_examples  # they build on this module's scoring
 
     fit_rows, held_rows = split(fixtures)
     positives = sum(fixtures[i].positive for i in fit_rows)
@@ -345,14 +345,13 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
                      f"and calibration fits on about {1 - HELD_OUT_SHARE:.0%} of the rows, chosen by a hash of "
                      "each message): add rows that expect a capability",
             "warnings": [NO_NULLS] if nulls == 0 else []}
-    plan = (plan_examples(router.catalog, fixtures, add_examples is True)
-            if rebuild is not None and router.rule != "anchor" else None)
+    plan = plan_examples(router.catalog, fixtures, add_examples is True) if examples_apply(router, rebuild) else None
     if plan is not None and offsets:
         raise CapdError("per-capability offsets and the tap's examples are not fitted together yet: calibrate "
                         "with one of them (--offsets, or --examples / the tap's examples.jsonl)")
     vectors, tokens = embed_fixtures(router, fixtures)
-    sweep = Sweep(router, fixtures, vectors, tokens, grid or grid_for(router.rule), (max_null_fpr, max_wrong),
-                  vetoes, offsets, rebuild)
+    sweep = Sweep(router, fixtures, fit_rows, vectors, tokens, grid or grid_for(router.rule),
+                  (max_null_fpr, max_wrong), vetoes, offsets, rebuild)
     scoring, tried = sweep.chosen(plan, add_examples)
     fitted, plan, point = scoring.fitted, scoring.plan, scoring.fitted.point
     error = None

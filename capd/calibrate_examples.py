@@ -143,6 +143,12 @@ def out_of_fold(rebuild: Rebuild, plan: ExamplePlan, fixtures: Sequence[Fixture]
             for on in first}, veto_rows
 
 
+def examples_apply(router: Router, rebuild: Rebuild | None) -> bool:
+    """Whether calibration can score examples: it needs routers rebuilt with them, and a rule that
+    reads them (not ``anchor``)."""
+    return rebuild is not None and router.rule != "anchor"
+
+
 def examples_pay(without: float | None, with_them: float | None) -> bool:
     """Whether calibration keeps the fit positives as examples, from the fit ``fired_right`` within
     the limits without and with them (out of fold; None: no point meets the limits)."""
@@ -171,6 +177,7 @@ class Sweep:
 
     router: Router
     fixtures: Sequence[Fixture]
+    fit_rows: np.ndarray  # split(fixtures)[0]
     vectors: np.ndarray
     tokens: TokenVectors | None
     grid: Grid
@@ -191,7 +198,7 @@ class Sweep:
         else:
             assert self.rebuild is not None
             variants, veto_rows = out_of_fold(self.rebuild, plan, fixtures, vectors, tokens, self.grid, self.vetoes)
-        fitted = fit_gates(variants, split(fixtures)[0], self.grid, *self.limits)
+        fitted = fit_gates(variants, self.fit_rows, self.grid, *self.limits)
         return Scoring(plan, variants, veto_rows, offsets, fitted)
 
     def chosen(self, plan: ExamplePlan | None, add_examples: bool | None) -> tuple[Scoring, dict[str, float | None]]:
@@ -200,7 +207,7 @@ class Sweep:
         scoring = self.scored(plan)
         tried: dict[str, float | None] = {"without": None, "with": None}
         tried["with" if plan is not None and plan.added else "without"] = _fired_right(scoring.fitted)
-        if add_examples is not None or self.rebuild is None or self.router.rule == "anchor" or self.offsets:
+        if add_examples is not None or self.offsets or not examples_apply(self.router, self.rebuild):
             return scoring, tried
         added = plan_examples(self.router.catalog, self.fixtures, True)
         if added is None or (plan is not None and np.array_equal(added.rows, plan.rows)):

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.quality.run import FEEDBACK_SETS, GOAL, LIMITS, METRICS, RESEARCH, ROOT, RULES, TUNED
-from capd.calibrate import CORPUS_MIN_GAIN
+from capd.calibrate import CORPUS_MIN_GAIN, FOLDS
+from capd.calibrate_examples import EXAMPLES_MIN_GAIN
 
 
 def fmt(value: float | None) -> str:
@@ -324,10 +325,10 @@ def examples_lines(result: dict[str, Any]) -> list[str]:
     calibrated without → with them, with plain ``capd calibrate``'s choice."""
     lines = ["`capd calibrate` can route with the fit part's rows that expect one capability as more of "
              "its triggers (`--write` appends them to `<tap>/examples.jsonl`). The gates are then fitted out of "
-             "fold: the fit part is cut into 5 folds by a hash of the message, and each fit row is scored by a "
+             f"fold: the fit part is cut into {FOLDS} folds by a hash of the message, and each fit row is scored by a "
              "router whose examples are the other folds' rows (the fit nulls are vetoes, as without them); the "
              "held-out part is scored by a router with them all, as the tap routes after `--write`. It measures "
-             "both and keeps them where they add 0.02 or more to the fit fired_right (`--examples` / "
+             f"both and keeps them where they add {EXAMPLES_MIN_GAIN} or more to the fit fired_right (`--examples` / "
              "`--no-examples` force it). Before = anchor, calibrated; after = fused, calibrated with the examples "
              "on every set (`--examples`; and the vetoes), held-out:",
              "", *summary_lines(result, "fused", "calibrated_examples"), "",
@@ -387,7 +388,8 @@ def render(result: dict[str, Any], out: Path) -> str:
         f"{GOAL['null_fpr']} and fired_wrong ≤ {GOAL['fired_wrong']}; ✓/✗ mark the *after* value. One held-out "
         "null is 1/n of null_fpr, so small sets move in large steps. *After* is what plain `capd calibrate` "
         "fits: with the fit part's null rows as vetoes, and with its positives as examples where that adds "
-        "0.02 or more to the fit fired_right out of fold (the next sections show each part's contribution).", "",
+        f"{EXAMPLES_MIN_GAIN} or more to the fit fired_right out of fold (the next sections show each part's "
+        "contribution).", "",
         *summary_lines(result, "fused", "calibrated_default"), "",
         "## The tap's vetoes: calibrated without → with the fit part's null rows", "", *veto_lines(result),
         "## The fit part's positives as examples (`capd calibrate` keeps them where they measure better)", "",
