@@ -441,6 +441,23 @@ def test_cautious_calibration_trial_modes_accept_a_subset_of_the_shipped_points(
         assert ok.sum() < plain.sum()
 
 
+def test_splits_trial_split_zero_is_the_shipped_split_and_others_move_rows_keeping_copies_together() -> None:
+    from benchmarks.quality.splits_trial import salted
+    from capd import calibrate as calibration
+
+    fixtures = [Fixture(f"message number {i}", ("a",), "positive", f"t:{i}") for i in range(200)]
+    fixtures += [Fixture("Message  number 7", ("a",), "positive", "t:copy")]  # routes as row 7's text
+    shipped = split(fixtures)
+    with salted(0):
+        assert all((a == b).all() for a, b in zip(split(fixtures), shipped, strict=True))
+    with salted(1):
+        held = split(fixtures)[1]
+        folds = calibration.folds_of(fixtures)
+    assert split(fixtures)[1].tolist() == shipped[1].tolist()  # the shipped hash is back
+    assert held.tolist() != shipped[1].tolist() and 0.2 < len(held) / len(fixtures) < 0.4
+    assert (7 in held) == (200 in held) and folds[7] == folds[200]
+
+
 def test_calibration_keeps_the_abstain_corpus_only_when_it_fires_right_more_often(
         settings_factory: SettingsFactory, tmp_path: Path) -> None:
     """Deterministic encoder: a null that is a corpus message and outscores a positive binds the gates
