@@ -320,7 +320,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
 @click.option("--examples/--no-examples", "with_examples", default=None, help="Route with the fit part's rows that "
               "expect one capability as more of its triggers, the gates fitted out of fold (--write appends them to "
               "<tap>/examples.jsonl). Rules capd and fused. Default: both are measured, the examples kept when they "
-              "add 0.02 or more to the fit part's fired_right (not with --offsets).")
+              "add 0.01 or more to the fit part's fired_right (not with --offsets).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def calibrate(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, model: str | None,
               backend: str | None, fixture_files: tuple[Path, ...], rule: str | None, max_null_fpr: float,
