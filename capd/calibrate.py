@@ -47,9 +47,9 @@ is measured, like the corpus: the sweep runs without and with them, and they are
 at least ``EXAMPLES_MIN_GAIN`` to ``fired_right`` on the fitting part within the limits
 (``--examples`` / ``--no-examples`` force the choice; 0.01, chosen on five splits of each set).
 Out of fold, the fit part foretold the held-out part's verdict on all six sets measured on the
-shipped split: hwu64 +0.027 (held out +0.052), snips7 +0.078,
-clinc150_domain +0.11, clinc150_intent +0.16 (held out they met the issue's goal), and taps/core
--0.032 and healthcare -0.091, which keep their triggers alone (``benchmarks/quality/README.md``).
+shipped split: hwu64 +0.027 (held out +0.052), snips7 +0.078, clinc150_domain +0.11,
+clinc150_intent +0.16 (held out they met the issue's goal), and taps/core -0.032 and healthcare
+-0.091, which keep their triggers alone (``benchmarks/quality/README.md``).
 
 ``--write`` stores the point in ``<tap>/capd.toml`` (``[gates]`` plus the model it was fitted
 for), updating the file in place so that what the tap's author wrote there stays, and the veto rows
