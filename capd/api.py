@@ -196,6 +196,15 @@ def _registry(request: Request) -> Any:
 
 
 def _install_routes(app: FastAPI) -> None:
+    """Every endpoint, in the order the OpenAPI document (and /docs) lists them."""
+    _install_routing_routes(app)
+    _install_session_routes(app)
+    _install_daemon_routes(app)
+
+
+def _install_routing_routes(app: FastAPI) -> None:
+    """The docs page, health, the catalog, discover and route."""
+
     @app.get("/docs", include_in_schema=False)
     def docs() -> HTMLResponse:  # offline: capd.api_docs, not Swagger UI from a CDN
         return HTMLResponse(api_docs.render(app.openapi()))
@@ -221,6 +230,10 @@ def _install_routes(app: FastAPI) -> None:
     async def route(request: Request, body: RouteBody) -> Response:
         # Normally answered by FastRoute, which shares route_turn; this handler serves what it passes on.
         return await route_turn(_service(request), body)
+
+
+def _install_session_routes(app: FastAPI) -> None:
+    """A session's state and plan, and what an agent does to it."""
 
     @app.get("/v1/sessions/{session}", response_model=None, responses=responses_for(SessionOut))
     def get_session(request: Request, session: SessionPath) -> dict[str, Any]:
@@ -251,6 +264,10 @@ def _install_routes(app: FastAPI) -> None:
     def tool_result(request: Request, session: SessionPath, body: ToolResultBody) -> dict[str, Any]:
         bumped = _registry(request).tool_result(session, body.server, body.tool, body.ok)
         return {"bumped": bumped}
+
+
+def _install_daemon_routes(app: FastAPI) -> None:
+    """Reload, metrics, and the capability tool an agent can hand its model."""
 
     @app.post("/v1/reload", response_model=None, responses=responses_for(ReloadOut))
     def reload(request: Request, body: ReloadBody | None = None) -> dict[str, Any]:

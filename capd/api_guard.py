@@ -43,6 +43,34 @@ log = logging.getLogger(__name__)
 ROUTE_PATH = "/v1/route"
 
 
+class _CountingReceive:
+    """A request's ``receive`` that counts the body as it arrives (a chunked body has no
+    Content-Length) and gives it ``api_http.BODY_S`` to arrive; once the body is in, the wait (for a
+    disconnect while a route is under way) has no limit."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.received = 0
+        self.body_by: float | None = asyncio.get_running_loop().time() + api_http.BODY_S  # None: the body is in
+
+    async def __call__(self) -> Message:
+        if self.body_by is None:
+            message = await self.receive()
+        else:
+            try:
+                async with asyncio.timeout_at(self.body_by):
+                    message = await self.receive()
+            except TimeoutError:
+                raise BodyLate() from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > MAX_BODY_BYTES:
+                raise BodyTooLarge()
+            if not message.get("more_body", False):
+                self.body_by = None
+        return message
+
+
 class Guard:
     """Host and Origin (:mod:`capd.origin`), bearer token and body-size checks, unexpected errors as
     JSON 500s, request counting.
@@ -63,19 +91,8 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.addresses is not None and (why := self.addresses.refusal(scope["headers"])) is not None:
-            await self._reject(scope, receive, send, error_response(403, "forbidden_host", why))
-            return
-        headers = Headers(scope=scope)
-        if self.token is not None:
-            scheme, _, given = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), self.token.encode()):
-                await self._reject(scope, receive, send, error_response(
-                    401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}))
-                return
-        length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            await self._reject(scope, receive, send, error_response(413, "too_large", BODY_TOO_LARGE))
+        if (turned_away := self._turned_away(scope)) is not None:
+            await self._reject(scope, receive, send, turned_away)
             return
         head = scope["method"] == "HEAD"  # answered as GET, without the body (Content-Length kept)
         if head:
@@ -85,27 +102,7 @@ class Guard:
             return
         status = 500
         started = False
-        received = 0
-        body_by: float | None = asyncio.get_running_loop().time() + api_http.BODY_S  # None: the body is in
-
-        async def receive_counting() -> Message:
-            # A chunked body has no Content-Length: count what actually arrives.
-            nonlocal received, body_by
-            if body_by is None:  # after the body: the wait for a disconnect (a route under way) has no limit
-                message = await receive()
-            else:
-                try:
-                    async with asyncio.timeout_at(body_by):
-                        message = await receive()
-                except TimeoutError:
-                    raise BodyLate() from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > MAX_BODY_BYTES:
-                    raise BodyTooLarge()
-                if not message.get("more_body", False):
-                    body_by = None
-            return message
+        receive_counting = _CountingReceive(receive)
 
         async def send_noting_status(message: Message) -> None:
             nonlocal status, started
@@ -131,6 +128,22 @@ class Guard:
             status = 500
             await error_response(500, "internal", "internal error; see the daemon log")(scope, receive, send)
         self._count({**scope, "method": "HEAD"} if head else scope, status)
+
+    def _turned_away(self, scope: Scope) -> JSONResponse | None:
+        """The answer to a request refused before anything else: a Host or Origin that is not this
+        daemon's, a missing or wrong bearer token, a declared body over the limit."""
+        if self.addresses is not None and (why := self.addresses.refusal(scope["headers"])) is not None:
+            return error_response(403, "forbidden_host", why)
+        headers = Headers(scope=scope)
+        if self.token is not None:
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), self.token.encode()):
+                return error_response(401, "unauthorized", "missing or wrong bearer token",
+                                      headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return error_response(413, "too_large", BODY_TOO_LARGE)
+        return None
 
     @classmethod
     async def _reject(cls, scope: Scope, receive: Receive, send: Send, response: JSONResponse) -> None:

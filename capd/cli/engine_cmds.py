@@ -113,34 +113,46 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
         "cache": str(cache.path) if cache.path else None, "persistent": cache.persistent,
         "seconds": seconds, "errors": [p.as_dict() for p in catalog.errors], "rule": settings.rule, "fits": fits,
     }
-    if not cache.persistent:
-        stderr(f"capd: error: nothing was stored: the vector cache in {settings.data_dir} cannot be written "
-               f"(the {report.embedded} vectors embedded were kept in memory for this run only); make the data "
-               "directory writable and run capd index again")
-    elif unstored:
-        stderr(f"capd: error: {unstored} of the {len(wanted)} trigger vectors the taps need could not be written "
-               f"to {cache.path}; they will be embedded again until capd index stores them")
-    if fits is not None and not fits["stored"]:
-        stderr(f"capd: error: the fused rule's head could not be stored in {fits['path']}; a daemon will fit it "
-               "again at every start until capd index stores it")
+    _say_index_errors(result, len(wanted), settings.data_dir)
     if as_json:
         emit_json(result)
     else:
         for problem in catalog.errors:
             stderr(str(problem))
-        sizes = f"{len(catalog)} capabilities, {catalog.trigger_count} triggers"
-        if not cache.persistent:
-            click.echo(f"nothing stored: {sizes}, embedded {report.embedded} in memory only for "
-                       f"{encoder.model_id} ({result['seconds']:.1f} s)")
-        else:
-            missing = f", {unstored} needed not stored" if unstored else ""
-            click.echo(f"embedded {report.embedded}, cached {report.cached}, pruned {pruned}: {sizes}, {stored} "
-                       f"vectors stored for {encoder.model_id}{missing} ({result['seconds']:.1f} s)")
-        if fits is not None:
-            done = "fitted and stored" if fits["stored"] else "fitted, not stored"
-            click.echo(f"fused rule: head, token vectors and gates {done} ({fits['seconds']:.1f} s)")
+        _echo_index(result)
     if catalog.errors or unstored or not cache.persistent or (fits is not None and not fits["stored"]):
         raise SystemExit(EXIT_ERROR)
+
+
+def _say_index_errors(result: dict[str, Any], wanted: int, data_dir: Path) -> None:
+    """On stderr, what ``capd index`` could not store (``result`` is its JSON report)."""
+    fits = result["fits"]
+    if not result["persistent"]:
+        stderr(f"capd: error: nothing was stored: the vector cache in {data_dir} cannot be written "
+               f"(the {result['embedded']} vectors embedded were kept in memory for this run only); make the data "
+               "directory writable and run capd index again")
+    elif result["unstored"]:
+        stderr(f"capd: error: {result['unstored']} of the {wanted} trigger vectors the taps need could not be "
+               f"written to {result['cache']}; they will be embedded again until capd index stores them")
+    if fits is not None and not fits["stored"]:
+        stderr(f"capd: error: the fused rule's head could not be stored in {fits['path']}; a daemon will fit it "
+               "again at every start until capd index stores it")
+
+
+def _echo_index(result: dict[str, Any]) -> None:
+    """``capd index``'s text report (``result`` is its JSON report)."""
+    sizes = f"{result['capabilities']} capabilities, {result['triggers']} triggers"
+    if not result["persistent"]:
+        click.echo(f"nothing stored: {sizes}, embedded {result['embedded']} in memory only for "
+                   f"{result['model_id']} ({result['seconds']:.1f} s)")
+    else:
+        missing = f", {result['unstored']} needed not stored" if result["unstored"] else ""
+        click.echo(f"embedded {result['embedded']}, cached {result['cached']}, pruned {result['pruned']}: {sizes}, "
+                   f"{result['stored']} vectors stored for {result['model_id']}{missing} ({result['seconds']:.1f} s)")
+    fits = result["fits"]
+    if fits is not None:
+        done = "fitted and stored" if fits["stored"] else "fitted, not stored"
+        click.echo(f"fused rule: head, token vectors and gates {done} ({fits['seconds']:.1f} s)")
 
 
 def _fit_rule(settings: Settings) -> dict[str, Any]:
