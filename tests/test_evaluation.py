@@ -458,11 +458,25 @@ def test_splits_trial_split_zero_is_the_shipped_split_and_others_move_rows_keepi
     assert (7 in held) == (200 in held) and folds[7] == folds[200]
 
 
-def test_calibration_keeps_the_abstain_corpus_only_when_it_fires_right_more_often(
+def test_splits_trial_forces_the_abstain_corpus_each_way_and_puts_the_rule_back() -> None:
+    from benchmarks.quality.splits_trial import choosing
+    from capd import calibrate as calibration
+
+    shipped = calibration.CORPUS_MIN_GAIN
+    # fit fired_right is within [0, 1]: a floor of -1 lets any feasible corpus point win, 2 none
+    for corpus, floor in (("on", -1.0), ("off", 2.0), ("shipped", shipped)):
+        with choosing("shipped", "plain", corpus):
+            during = calibration.CORPUS_MIN_GAIN
+        after = calibration.CORPUS_MIN_GAIN
+        assert (during, after) == (floor, shipped)
+
+
+def test_calibration_keeps_the_abstain_corpus_unless_it_fires_right_less_often(
         settings_factory: SettingsFactory, tmp_path: Path) -> None:
     """Deterministic encoder: a null that is a corpus message and outscores a positive binds the gates
-    without the corpus; with it, the null is vetoed and the positive can fire. Without such a null the
-    corpus only costs (it vetoes a positive phrased like a corpus message), so it stays off."""
+    without the corpus; with it, the null is vetoed and the positive can fire. Where it only costs (it
+    vetoes a positive phrased like a corpus message) it stays off; where it changes nothing it is kept
+    (``CORPUS_MIN_GAIN`` 0: it guards against nulls the fit part lacks)."""
     null, phrased_like_corpus = "help me write a birthday message for my mum", "thanks, appreciate the help"
     assert {null, phrased_like_corpus} <= set(abstain_corpus())
     tap = tmp_path / "tap"
@@ -474,7 +488,8 @@ def test_calibration_keeps_the_abstain_corpus_only_when_it_fires_right_more_ofte
                      Fixture("open a ticket with the helpdesk", ("helpdesk",), "positive", "t:2")]
         cases = {"a null outscoring a positive": [*positives, Fixture(null, (), "null", "t:3")],
                  "a positive phrased like the corpus": [*positives, Fixture(phrased_like_corpus, ("helpdesk",),
-                                                                            "positive", "t:3")]}
+                                                                            "positive", "t:3")],
+                 "nothing the corpus touches": positives}
         chosen = {}
         for label, fixtures in cases.items():
             vectors, tokens = embed_fixtures(router, fixtures)
@@ -487,6 +502,8 @@ def test_calibration_keeps_the_abstain_corpus_only_when_it_fires_right_more_ofte
     assert on and tried["with"] == 1.0 and tried["without"] < 1.0
     on, tried = chosen["a positive phrased like the corpus"]
     assert not on and tried["without"] == 1.0 and tried["with"] < 1.0
+    on, tried = chosen["nothing the corpus touches"]
+    assert on and tried["without"] == tried["with"] == 1.0
 
 
 def test_floors_errors_name_their_line(tmp_path: Path) -> None:
@@ -598,7 +615,9 @@ def test_the_readmes_calibrate_example_is_what_the_command_prints(model_settings
     result = CliRunner().invoke(main, ["calibrate", "--tap", core, "--rule", "capd", *fixtures,
                                        "--data-dir", str(model_settings.data_dir)])
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines() == shown
+    warned = [line for line in shown if line.startswith("warning: ")]  # stderr, printed first
+    assert result.stdout.splitlines() == shown[len(warned):]
+    assert result.stderr.splitlines() == warned
 
 
 # -- what tap authors run into on taps under construction (found by review, 2026-11-26) -------------------

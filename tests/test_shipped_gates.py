@@ -20,7 +20,7 @@ from capd.service import Service
 from capd.settings import Settings
 
 CORE = Path(__file__).resolve().parent.parent / "taps" / "core"
-LIMITS = {"max_null_fpr": 0.03, "max_wrong": 0.02}  # the tap's [floors] (fixtures/floors.toml), as calibrated
+LIMITS = {"max_null_fpr": 0.05, "max_wrong": 0.02}  # the tap's [floors.fused] (fixtures/floors.toml), as calibrated
 
 
 def _rows(folder: str) -> list[Any]:
@@ -41,18 +41,20 @@ def test_the_calibration_set_is_apart_from_the_regression_fixtures(real_encoder:
 
 def test_the_shipped_gates_are_what_calibrate_fits_on_the_calibration_set(fused_core: Service) -> None:
     """`capd calibrate --tap taps/core --fixtures taps/core/calibration/*.jsonl --rule fused
-    --max-null-fpr 0.03 --max-wrong 0.02 --no-vetoes --write` wrote taps/core/capd.toml (the tap
-    ships no vetoes.jsonl: on its fixtures they changed nothing but which kind of null fired)."""
+    --max-null-fpr 0.05 --max-wrong 0.02 --no-vetoes --write` wrote taps/core/capd.toml (the tap
+    ships no vetoes.jsonl: on its fixtures they cost fired_right and let more nulls through)."""
     shipped = tomllib.loads((CORE / "capd.toml").read_text(encoding="utf-8"))["gates"]["fused"]
     assert not (CORE / "vetoes.jsonl").exists()
     point = calibrate(fused_core.router, _rows("calibration"), **LIMITS, vetoes=False)["recommended"]
     assert point is not None
-    assert {k: point[k] for k in ("threshold", "margin", "coverage")} == pytest.approx(shipped)
+    assert {k: point[k] for k in ("threshold", "margin", "coverage")} == pytest.approx(
+        {k: shipped[k] for k in ("threshold", "margin", "coverage")})
+    assert shipped["abstain_corpus"] is True and point["abstain_corpus"] is True
 
 
 def test_the_shipped_gates_meet_the_goal_on_fixtures_they_never_saw(fused_core: Service) -> None:
-    """Measured: fired_right 0.833, fired_wrong 0.009, null_fpr 0.033, top1 0.964 (313 rows),
-    against 0.581 / 0 / 0.055 with the auto gates a tap without capd.toml gets."""
+    """Measured: fired_right 0.820, fired_wrong 0.004, null_fpr 0.035, top1 0.964 (337 rows),
+    against 0.581 / 0 / 0.052 with the auto gates a tap without capd.toml gets."""
     fixtures = _rows("fixtures")
     shipped, _, _ = evaluate(fused_core.router, fixtures)
     assert shipped["fired_right"] >= 0.80 and shipped["top1"] >= 0.90

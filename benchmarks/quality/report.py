@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.quality.run import FEEDBACK_SETS, GOAL, LIMITS, METRICS, RESEARCH, ROOT, RULES, TUNED
-from capd.calibrate import CORPUS_MIN_GAIN, FOLDS
+from capd.calibrate import FOLDS, corpus_rule
 from capd.calibrate_examples import EXAMPLES_MIN_GAIN
 
 
@@ -104,7 +104,7 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
              for rule, r in data["rules"].items() if (r.get("abstain_corpus") or {}).get("with") is not None]
     if tried:
         lines += ["", "Abstain corpus, calibration's choice (best fit-part fired_right within the limits without → "
-                  f"with it; kept when it adds {CORPUS_MIN_GAIN} or more): " + "; ".join(tried) + "."]
+                  f"with it; {corpus_rule()}): " + "; ".join(tried) + "."]
     return [*lines, ""]
 
 

@@ -292,7 +292,7 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
     router = service.router
     grid = grid_for(router.rule)
     plain = score_variants(router, fixtures, vectors, tokens, grid)  # as the tap routes before calibration
-    tables = plain[False]  # the service's own scoring: no bench service turns the corpus on
+    tables = plain[False]  # as a tap without capd.toml routes (the default and auto gates' rows): no corpus
     fit_rows, held_rows = split(fixtures)
     # what `capd calibrate` fits with: the fit part's null rows as the tap's vetoes (none for anchor)
     veto_rows = [f.message for f in fit_vetoes(fixtures, router.rule)]
@@ -312,9 +312,10 @@ def evaluate_rule(service: Service, fixtures: Sequence[Fixture], vectors: np.nda
     # the tap's own gates, calibrated apart from these rows (taps/core), when in force for this rule and model
     if config is not None and config.gates_for(router.rule) and tap in router.gates.by_tap:
         shipped = router.gates.for_tap(tap)
-        table = tables[shipped.top_k]
+        table = plain[shipped.abstain_corpus][shipped.top_k]  # with the corpus when the tap turns it on
         out["tap_gates"] = {"gates": {"threshold": shipped.threshold, "margin": shipped.margin,
-                                      "top_k": shipped.top_k, "coverage": shipped.coverage},
+                                      "top_k": shipped.top_k, "coverage": shipped.coverage,
+                                      "abstain_corpus": shipped.abstain_corpus},
                             "held_out": gated(table, held_rows, shipped), "all": gated(table, None, shipped)}
     fitted = fit_gates(variants, fit_rows, grid=grid, **LIMITS)  # what `capd calibrate` does
     out["abstain_corpus"] = fitted.corpus

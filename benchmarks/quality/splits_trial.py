@@ -18,9 +18,11 @@ Written to ``benchmarks/results/splits_trial.json``.
 
 Variants of how calibration chooses its point, each measured this way (the goal checked stays the
 same): ``--ties strict|middle`` (another point among those reaching the best fit fired_right),
-``--mode spare|wilson|erode`` (``calibration_trial``'s cautious limits), and ``--max-null-fpr`` /
-``--max-wrong`` (the limits calibration is given). Results: ``benchmarks/quality/README.md``, "The
-headline on other splits".
+``--mode spare|wilson|erode`` (``calibration_trial``'s cautious limits), ``--max-null-fpr`` /
+``--max-wrong`` (the limits calibration is given), and ``--corpus on|off`` (the shipped abstain
+corpus always or never, instead of when it adds ``CORPUS_MIN_GAIN`` to the fit fired_right; each
+split records the fit gain either way). Results: ``benchmarks/quality/README.md``, "The headline on
+other splits".
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def salted(split: int) -> Iterator[None]:
 
 
 TIES = ("shipped", "strict", "middle")
+CORPUS_GAINS = {"on": -1.0, "off": 2.0}  # fit fired_right is within [0, 1]: any gain wins, none does
 
 
 def chooser(ties: str, mode: str) -> Any:
@@ -107,16 +110,25 @@ def _run_end(mask: np.ndarray, start: int) -> int:
 
 
 @contextmanager
-def choosing(ties: str, mode: str) -> Iterator[None]:
-    """Calibration chooses its point by ``ties`` and ``mode`` (:func:`chooser`) meanwhile; the auto
-    gates keep the shipped choice (:mod:`capd.autogates` holds its own reference)."""
-    shipped = calibration.best_point
+def choosing(ties: str, mode: str, corpus: str = "shipped") -> Iterator[None]:
+    """Calibration chooses its point by ``ties`` and ``mode`` (:func:`chooser`) and keeps the abstain
+    corpus always (``corpus`` ``on``: any feasible point with it wins), never (``off``) or as shipped,
+    meanwhile; the auto gates keep the shipped choice (:mod:`capd.autogates` holds its own reference)."""
+    shipped, gain = calibration.best_point, calibration.CORPUS_MIN_GAIN
     if (ties, mode) != ("shipped", "plain"):
         calibration.best_point = chooser(ties, mode)
+    calibration.CORPUS_MIN_GAIN = CORPUS_GAINS.get(corpus, gain)
     try:
         yield
     finally:
-        calibration.best_point = shipped
+        calibration.best_point, calibration.CORPUS_MIN_GAIN = shipped, gain
+
+
+def _corpus(report: dict[str, Any]) -> str:
+    """Whether the abstain corpus was kept, and the fit fired_right without → with it."""
+    kept = bool(report["recommended"] and report["recommended"]["abstain_corpus"])
+    tried = report["abstain_corpus"]
+    return f"{'on' if kept else 'off'} (fit {tried['without']} -> {tried['with']})"
 
 
 def meets_goal(held: dict[str, Any]) -> bool:
@@ -138,6 +150,7 @@ class Variant:
     mode: str = "plain"
     max_null_fpr: float = LIMITS["max_null_fpr"]
     max_wrong: float = LIMITS["max_wrong"]
+    corpus: str = "shipped"
 
 
 def run_set(bench: Bench, evalset: EvalSet, splits: int, variant: Variant = Variant()) -> dict[str, Any]:
@@ -145,7 +158,7 @@ def run_set(bench: Bench, evalset: EvalSet, splits: int, variant: Variant = Vari
     with bench.fused_set(evalset) as on:
         auto = on.service.fit_auto_gates()
         for split in range(splits):
-            with salted(split), choosing(variant.ties, variant.mode):
+            with salted(split), choosing(variant.ties, variant.mode, variant.corpus):
                 report = calibration.calibrate(on.service.router, on.fixtures, variant.max_null_fpr,
                                                variant.max_wrong, auto=auto,
                                                rebuild=on.service.router_with_examples)
@@ -153,11 +166,12 @@ def run_set(bench: Bench, evalset: EvalSet, splits: int, variant: Variant = Vari
             auto_held = (report.get("auto_gates") or {}).get("held_out")
             row = {"split": split, "rows": report["rows"], "recommended": report["recommended"],
                    "examples_added": bool(report["examples"] and report["examples"]["added"]),
-                   "add_examples": report["add_examples"],
+                   "add_examples": report["add_examples"], "abstain_corpus": report["abstain_corpus"],
                    "held_out": held, "auto_held_out": auto_held, "met": held is not None and meets_goal(held)}
             rows.append(row)
             print(f"{evalset.name:20s} split {split}: held out {figures(held)}"
                   f" ({report['rows']['held_out']} rows), examples {'kept' if row['examples_added'] else 'not kept'},"
+                  f" corpus {_corpus(report)},"
                   f" goal {'met' if row['met'] else 'not met'}; auto gates {figures(auto_held)}", flush=True)
     right = [r["held_out"]["fired_right"] for r in rows if r["held_out"] is not None]
     summary = {"met": sum(r["met"] for r in rows), "splits": len(rows),
@@ -177,9 +191,11 @@ def main(argv: list[str]) -> dict[str, Any]:
                         help="the null limit calibration is given (the goal checked stays 0.05)")
     parser.add_argument("--max-wrong", type=float, default=LIMITS["max_wrong"],
                         help="the wrong limit calibration is given (the goal checked stays 0.03)")
+    parser.add_argument("--corpus", choices=("shipped", *CORPUS_GAINS), default="shipped",
+                        help="keep the abstain corpus always (on), never (off) or as calibrate decides")
     args = parser.parse_args(argv)
     found, skipped = chosen_sets(args)
-    variant = Variant(args.ties, args.mode, args.max_null_fpr, args.max_wrong)
+    variant = Variant(args.ties, args.mode, args.max_null_fpr, args.max_wrong, args.corpus)
     report: dict[str, Any] = {"goal": GOAL, "splits": args.splits, "variant": dataclasses.asdict(variant),
                               "skipped": skipped, "results": []}
     with trial_bench("splits_trial") as bench:

@@ -237,74 +237,85 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
 
     Example: capd test taps/core --junit routing.xml
     """
-    from capd.evaluation import evaluate, failing_rows
-    from capd.fixtures import check_names, load_fixtures, tap_fixture_files
-    from capd.floors import Check, check_floors, junit_xml, load_floors, row_line, rows_against
+    from capd.floors import junit_xml
 
     base = build_settings(config, taps=(*tap_args, *taps), data_dir=data_dir, model=model, backend=backend,
                           rule=rule)
-    reports: list[dict[str, Any]] = []
-    for tap in base.taps:
-        if (reason := not_a_tap_directory(tap)) is not None:  # a mistyped path is not a tap without fixtures
-            raise Failed(f"{tap}: {reason}")
-        files = tap_fixture_files(tap)
-        if not files:
-            raise Failed(f"{tap}: no fixtures/*.jsonl to test")
-        settings = for_one_tap(base, tap)
-        floors = load_floors(tap, settings.rule)
-        fixtures = load_fixtures(files)
-        service = _service(settings)
-        # A row expecting a capability that failed to load is a row nothing can fire right, and the
-        # tap fails tap_errors: stopping here left CI with no report (every capability has rows).
-        check_names(fixtures, {*service.catalog_now().capabilities, *_broken(service)})
-        result, table, outcome = evaluate(service.router, fixtures)
-        checks = check_floors(floors, result)
-        errors = service.catalog_now().errors  # a capability that does not load is not tested at all
-        if errors:
-            checks.append(Check("tap_errors", len(errors), 0, False, "<="))
-        reports.append({"tap": str(tap), "rule": settings.rule, "rule_from": settings.rule_from,
-                        "floors": str(floors.path) if floors.path else None,
-                        "floors_table": None if floors.path is None else
-                        "floors" if floors.rule is None else f"floors.{floors.rule}",
-                        "metrics": {k: result[k] for k in ("n", "top1", "fired_right", "fired_wrong", "null_fpr")},
-                        "known": result["known"],
-                        "checks": [c.as_dict() for c in checks], "passed": all(c.passed for c in checks),
-                        "failing_rows": failing_rows(table, outcome),
-                        "errors": [problem.as_dict() for problem in errors]})
+    reports = [_test_tap(base, tap) for tap in base.taps]
     if junit is not None:
         write_file(junit, junit_xml(reports))
     if as_json:
         emit_json({"passed": all(r["passed"] for r in reports), "taps": reports})
     else:
         for report in reports:
-            status = "PASS" if report["passed"] else "FAIL"
-            click.echo(f"{status} {report['tap']}  " + "  ".join(f"{k} {_fmt(v)}" for k, v in
-                                                               report["metrics"].items()))
-            if report["floors"] is None:
-                click.echo("  no fixtures/floors.toml: nothing to hold the tap to")
-            elif not report["checks"]:
-                click.echo(f"  {report['floors']} sets no floors: nothing to hold the tap to")
-            else:
-                click.echo(f"  rule {report['rule']}{named_by(report['rule_from'])}, floors from "
-                           f"[{report['floors_table']}]"
-                           + (" over [floors]" if report["floors_table"] != "floors" else ""))
-            if any(report["known"].values()):
-                click.echo(f"  note: {_known_text(report['known'])}")
-            for check in report["checks"]:
-                mark = "ok  " if check["passed"] else "FAIL"
-                click.echo(f"  {mark} {check['name']} {_fmt(check['value'])} {check['relation']} {check['bound']}")
-                if not check["passed"]:  # the rows that count against it
-                    against = rows_against(check["name"], report["failing_rows"])
-                    for row in against[:ROWS_SHOWN_TEXT]:
-                        click.echo(f"    {row_line(row)}")
-                    if len(against) > ROWS_SHOWN_TEXT:
-                        click.echo(f"    … and {len(against) - ROWS_SHOWN_TEXT} more "
-                                   "(--json lists every row decided wrong)")
-            for problem in report["errors"]:  # what `capd lint` says about them, in one line each
-                where = problem["file"] + (f": line {problem['line']}" if problem["line"] is not None else "")
-                click.echo(f"    {where}: {problem['reason']}")
+            _echo_test_report(report)
     if not all(r["passed"] for r in reports):
         raise SystemExit(EXIT_ERROR)
+
+
+def _test_tap(base: Settings, tap: Path) -> dict[str, Any]:
+    """``capd test``'s report on one tap: its fixtures routed as a daemon on it routes them, against
+    the floors of the rule it routes with."""
+    from capd.evaluation import evaluate, failing_rows
+    from capd.fixtures import check_names, load_fixtures, tap_fixture_files
+    from capd.floors import Check, check_floors, load_floors
+
+    if (reason := not_a_tap_directory(tap)) is not None:  # a mistyped path is not a tap without fixtures
+        raise Failed(f"{tap}: {reason}")
+    files = tap_fixture_files(tap)
+    if not files:
+        raise Failed(f"{tap}: no fixtures/*.jsonl to test")
+    settings = for_one_tap(base, tap)
+    floors = load_floors(tap, settings.rule)
+    fixtures = load_fixtures(files)
+    service = _service(settings)
+    # A row expecting a capability that failed to load is a row nothing can fire right, and the
+    # tap fails tap_errors: stopping here left CI with no report (every capability has rows).
+    check_names(fixtures, {*service.catalog_now().capabilities, *_broken(service)})
+    result, table, outcome = evaluate(service.router, fixtures)
+    checks = check_floors(floors, result)
+    errors = service.catalog_now().errors  # a capability that does not load is not tested at all
+    if errors:
+        checks.append(Check("tap_errors", len(errors), 0, False, "<="))
+    return {"tap": str(tap), "rule": settings.rule, "rule_from": settings.rule_from,
+            "floors": str(floors.path) if floors.path else None,
+            "floors_table": None if floors.path is None else
+            "floors" if floors.rule is None else f"floors.{floors.rule}",
+            "metrics": {k: result[k] for k in ("n", "top1", "fired_right", "fired_wrong", "null_fpr")},
+            "known": result["known"],
+            "checks": [c.as_dict() for c in checks], "passed": all(c.passed for c in checks),
+            "failing_rows": failing_rows(table, outcome),
+            "errors": [problem.as_dict() for problem in errors]}
+
+
+def _echo_test_report(report: dict[str, Any]) -> None:
+    """One tap's ``capd test`` report as text: the figures, the floors' source, each check and the
+    rows that count against a failed one, and the tap's errors."""
+    from capd.floors import row_line, rows_against
+
+    status = "PASS" if report["passed"] else "FAIL"
+    click.echo(f"{status} {report['tap']}  " + "  ".join(f"{k} {_fmt(v)}" for k, v in report["metrics"].items()))
+    if report["floors"] is None:
+        click.echo("  no fixtures/floors.toml: nothing to hold the tap to")
+    elif not report["checks"]:
+        click.echo(f"  {report['floors']} sets no floors: nothing to hold the tap to")
+    else:
+        click.echo(f"  rule {report['rule']}{named_by(report['rule_from'])}, floors from [{report['floors_table']}]"
+                   + (" over [floors]" if report["floors_table"] != "floors" else ""))
+    if any(report["known"].values()):
+        click.echo(f"  note: {_known_text(report['known'])}")
+    for check in report["checks"]:
+        mark = "ok  " if check["passed"] else "FAIL"
+        click.echo(f"  {mark} {check['name']} {_fmt(check['value'])} {check['relation']} {check['bound']}")
+        if not check["passed"]:  # the rows that count against it
+            against = rows_against(check["name"], report["failing_rows"])
+            for row in against[:ROWS_SHOWN_TEXT]:
+                click.echo(f"    {row_line(row)}")
+            if len(against) > ROWS_SHOWN_TEXT:
+                click.echo(f"    … and {len(against) - ROWS_SHOWN_TEXT} more (--json lists every row decided wrong)")
+    for problem in report["errors"]:  # what `capd lint` says about them, in one line each
+        where = problem["file"] + (f": line {problem['line']}" if problem["line"] is not None else "")
+        click.echo(f"    {where}: {problem['reason']}")
 
 
 @click.command()
@@ -415,7 +426,7 @@ def _echo_calibration(report: dict[str, Any], max_null_fpr: float, max_wrong: fl
                       with_offsets: bool) -> None:
     """``capd calibrate``'s text report: warnings on stderr, then the curve, the recommendation and
     its fit / held-out figures, what the tap gets without calibration, and the files written."""
-    from capd.calibrate import CORPUS_MIN_GAIN
+    from capd.calibrate import corpus_rule
     from capd.calibrate_examples import EXAMPLES_MIN_GAIN
 
     for warning in report.get("warnings", []):
@@ -440,7 +451,7 @@ def _echo_calibration(report: dict[str, Any], max_null_fpr: float, max_wrong: fl
         tried = report["abstain_corpus"]
         if report["rule"] != "anchor":  # the anchor's rule has no vetoes
             click.echo(f"  fit fired_right without the abstain corpus {_fmt(tried['without'])}, "
-                       f"with it {_fmt(tried['with'])} (kept when it adds {CORPUS_MIN_GAIN} or more)")
+                       f"with it {_fmt(tried['with'])} ({corpus_rule()})")
             click.echo("  fitted without the tap's vetoes (--no-vetoes)" if no_vetoes else
                        f"  fitted with the fit part's {report['vetoes']} null rows as the tap's vetoes"
                        + (" (--write adds them to vetoes.jsonl)" if report["vetoes"] else ""))
