@@ -25,9 +25,9 @@ against kinds of null it may lack, so only a measured cost turns it away. It pay
 traffic holds chitchat, feedback and pasted logs (an agent's tools), and costs taps whose
 capabilities are themselves everyday requests (weather, music), so it is the tap's fixtures that
 decide. On five splits of every shared set and taps/core, the sign of the fit gain was the
-held-out verdict each time: a gain under the former floor of 0.02 (taps/core, 0.006-0.019) paid
-held out, and every loss cost (benchmarks/quality/README.md, *The abstain corpus kept unless it
-costs*).
+held-out verdict each time, and the former floor of 0.02 mattered only on ties: on taps/core's
+headline split a tie kept out by it let 4 of 35 held-out nulls through instead of 2, at the same
+fired_right (benchmarks/quality/README.md, *The abstain corpus kept unless it costs*).
 
 The fit part's null rows are the tap's vetoes while the gates are fitted (:func:`fit_vetoes`;
 :class:`capd.router.Vetoes`: a winner is turned away when two of them are nearer the message than
