@@ -73,7 +73,7 @@ import numpy as np
 from capd import fused
 from capd.encoder import TokenVectors
 from capd.errors import CapdError
-from capd.evaluation import ScoreTable, apply_gates, embed_fixtures, metrics, score_table
+from capd.evaluation import ScoreTable, embed_fixtures, gated_metrics, score_table
 from capd.fixtures import Fixture
 from capd.offsets import OffsetFit, fit_offsets
 from capd.router import Router, distinct_vetoes
@@ -383,14 +383,14 @@ def calibrate(router: Router, fixtures: Sequence[Fixture], max_null_fpr: float =
         report["error"] = error
     if point is not None:
         table = fitted.tables[point.top_k]
-        report |= {label: _gated(table.subset(rows), point) for label, rows in (("fit", fit_rows),
-                                                                                ("held_out", held_rows))}
+        report |= {label: gated_metrics(table.subset(rows), point) for label, rows in (("fit", fit_rows),
+                                                                                       ("held_out", held_rows))}
     report["warnings"] = _warnings(report, positives, nulls, max_null_fpr, max_wrong)
     if plan is not None and plan.dropped:
         report["warnings"].append(DROPPED_EXAMPLES.format(dropped=plan.dropped))
     if auto is not None and auto.top_k in scoring.variants[False]:  # as the tap routes before --write: no new vetoes
         held = score_table(router, fixtures, top_k=auto.top_k, vectors=vectors, tokens=tokens).subset(held_rows)
-        report["auto_gates"] = {"gates": auto.as_dict(), "held_out": _gated(held, auto)}
+        report["auto_gates"] = {"gates": auto.as_dict(), "held_out": gated_metrics(held, auto)}
     return report
 
 
@@ -399,11 +399,6 @@ def _examples_report(plan: ExamplePlan) -> dict[str, Any]:
     the tap's were dropped, the folds, and whether the fit positives were added."""
     return {"fit_rows": len(plan.rows), "kept": sum(len(m) for m in plan.kept.values()), "dropped": plan.dropped,
             "folds": FOLDS, "added": plan.added}
-
-
-def _gated(table: ScoreTable, point: Point) -> dict[str, Any]:
-    """The metrics of ``table``'s rows at ``point``'s gates."""
-    return metrics(table, apply_gates(table, point.threshold, point.margin, point.coverage))
 
 
 NOTHING_FIRES = ("no gates within the limits fire any of the {positives} fit positive rows right (too short to route, "

@@ -16,7 +16,7 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -178,6 +178,22 @@ def apply_gates(table: ScoreTable, threshold: np.ndarray | float, margin: np.nda
         fired &= ~table.vetoed
     correct = table.expected[np.arange(len(winner)), winner]
     return Outcome(winner, fired, correct, top1, gap)
+
+
+class GatePoint(Protocol):
+    """Anything that holds the three gate values (calibration's ``Point``, a tap's ``Gates``)."""
+
+    @property
+    def threshold(self) -> float: ...
+    @property
+    def margin(self) -> float: ...
+    @property
+    def coverage(self) -> float: ...
+
+
+def gated_metrics(table: ScoreTable, gates: GatePoint) -> dict[str, Any]:
+    """:func:`metrics` of ``table``'s rows at ``gates``."""
+    return metrics(table, apply_gates(table, gates.threshold, gates.margin, gates.coverage))
 
 
 def _share(numerator: np.ndarray, denominator: int) -> float | None:

@@ -457,8 +457,8 @@ def test_auto_gates_fire_right_far_more_than_the_manifest_default_without_seeing
         fused_core: Service, core_fixtures: list[Any]) -> None:
     """Auto gates are fitted on taps/core's own examples (out of fold) and the abstain corpus.
     Held-out core fixtures, with the corpus on as the tap has it: fired_right 0.569 at null_fpr
-    0.057 (2 of 35 nulls, both small talk's kind of chat) against 0.415 at 0.029 with the manifest's
-    one-size point (before the small-talk rows, 0.585 against 0.431 at 0.08 each)."""
+    0.057 (2 of 35 nulls) against 0.415 at 0.029 with the manifest's one-size point (before the
+    small-talk rows, 0.585 against 0.431 at 0.08 each)."""
     router = fused_core.router
     manifest = manifest_for(fused_core.settings)
     _, held = split(core_fixtures)
@@ -468,7 +468,7 @@ def test_auto_gates_fire_right_far_more_than_the_manifest_default_without_seeing
     auto, _, _ = evaluate(router, rows, gates.threshold, gates.margin, gates.coverage)  # not the tap's capd.toml
     default, _, _ = evaluate(router, rows, manifest.fused_threshold, manifest.fused_margin, manifest.fused_coverage)
     assert auto["fired_right"] >= default["fired_right"] + 0.1
-    one_null = 1 / auto["nulls"]  # a fifth more of the positives for at most one more null
+    one_null = 1 / auto["nulls"]  # 0.1 or more of the positives for at most one more null
     assert auto["null_fpr"] <= default["null_fpr"] + one_null + 1e-9 and auto["fired_wrong"] <= 0.03
     reported = calibrate(router, core_fixtures, auto=gates)["auto_gates"]["held_out"]
     assert (reported["fired_right"], reported["null_fpr"]) == (auto["fired_right"], auto["null_fpr"])  # capd calibrate

@@ -23,14 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import LIMITS, Bench, EvalSet, folds_trial
-from capd.calibrate import Point, Variants, fit_gates, fitted_router, grid_for, score_variants
-from capd.evaluation import ScoreTable, apply_gates, metrics
-
-
-def gated(table: ScoreTable, rows: np.ndarray, point: Point) -> dict[str, Any]:
-    sub = table.subset(rows)
-    return metrics(sub, apply_gates(sub, point.threshold, point.margin, point.coverage))
+from benchmarks.quality.run import LIMITS, Bench, EvalSet, folds_trial, gated
+from capd.calibrate import Variants, fit_gates, fitted_router, grid_for, score_variants
+from capd.evaluation import apply_gates
 
 
 def out_of_fold(variants: Variants, fit_rows: np.ndarray, folds: int) -> dict[str, float | None]:

@@ -59,7 +59,7 @@ from capd.calibrate import (
 )
 from capd.calibrate_examples import examples_pay, out_of_fold, plan_examples
 from capd.encoder import Encoder, open_encoder
-from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
+from capd.evaluation import ScoreTable, gated_metrics, score_table
 from capd.fixtures import Fixture, load_fixtures, tap_fixture_files
 from capd.gates import Gates
 from capd.learned import MAX_PER_CAPABILITY
@@ -263,8 +263,7 @@ def fit_and_held_out(fit_fired_right: float | None, held: dict[str, Any] | None,
 
 def gated(table: ScoreTable, rows: np.ndarray | None, gates: Point | Gates) -> dict[str, Any]:
     """Metrics of ``rows`` of ``table`` (None: all) at ``gates`` (threshold, margin, coverage)."""
-    sub = table if rows is None else table.subset(rows)
-    return metrics(sub, apply_gates(sub, gates.threshold, gates.margin, gates.coverage))
+    return gated_metrics(table if rows is None else table.subset(rows), gates)
 
 
 def manifest_info(model: str | None = None) -> dict[str, Any]:
