@@ -12,11 +12,12 @@ import pytest
 
 from benchmarks.quality import run as quality
 from benchmarks.quality.report import render
-from capd.calibrate import calibrate
+from capd.calibrate import calibrate, folds_of, split
 from capd.encoder import Encoder
 from capd.fixtures import load_fixtures, tap_fixture_files
 from capd.service import Service
 from capd.settings import Settings
+from capd.text import routed_key
 
 CORE = quality.ROOT / "taps" / "core"
 
@@ -122,3 +123,26 @@ def test_feedback_loop_learns_from_the_fit_part_only(report: Report) -> None:
     assert loop["refused"] > 0  # fit-part nulls that activated something were disabled: learned abstains
     assert loop["after_same_gates"]["positives"] == fused["held_out"]["positives"]
     assert "| core | " in markdown.split("## Learning from corrections")[1]
+
+
+def test_core_cal_is_calibrated_on_the_calibration_files_and_held_out_on_the_fixtures(tmp_path: Path) -> None:
+    (evalset,), _ = quality.find_sets([quality.CORE_CAL], tmp_path / "absent", report=True)
+    calibration = load_fixtures(evalset.fixture_files)
+    fixture_rows = load_fixtures(tap_fixture_files(CORE))
+    assert {p.parent.name for p in evalset.fixture_files} == {"calibration"} and calibration and fixture_rows
+    fit_part, _ = split(calibration)  # what `capd calibrate --fixtures taps/core/calibration/...` fits on
+    with evalset.file_split() as fixtures:
+        fit, held = split(fixtures)
+        folds = folds_of(fixtures)
+    assert [fixtures[i] for i in fit[:len(fit_part)]] == [calibration[i] for i in fit_part]
+    held_rows = [fixtures[i] for i in held]
+    assert all(row in fixture_rows for row in held_rows)
+    # a fixture row fitted on instead routes as the text of a calibration row it joins
+    fitted_keys = {routed_key(calibration[i].message) for i in fit_part}
+    moved = [f for f in fixture_rows if f not in held_rows]
+    assert all(routed_key(f.message) in fitted_keys for f in moved)
+    assert len(split(fixtures)[1]) != len(held)  # the split is the shipped one again
+    assert (folds_of(fixtures) == folds).all()  # folds are never moved
+    # research harnesses split by hash (some salt it): the set is the report's alone
+    found, skipped = quality.find_sets([quality.CORE_CAL], tmp_path / "absent")
+    assert not found and "only in the quality report" in skipped[0]

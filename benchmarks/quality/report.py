@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.quality.run import FEEDBACK_SETS, GOAL, LIMITS, METRICS, RESEARCH, ROOT, RULES, TUNED
+from benchmarks.quality.run import CORE_CAL, FEEDBACK_SETS, GOAL, LIMITS, METRICS, RESEARCH, ROOT, RULES, TUNED
 from capd.calibrate import FOLDS, corpus_rule
 from capd.calibrate_examples import EXAMPLES_MIN_GAIN
 
@@ -66,9 +66,21 @@ def summary_lines(result: dict[str, Any], after_rule: str = "fused", after: str 
     return lines
 
 
+def split_note(data: dict[str, Any]) -> str:
+    """How a set's rows are split, when it is not by hash (:attr:`~benchmarks.quality.run.EvalSet.held_files`)."""
+    if "held_files" not in data:
+        return ""
+
+    def names(paths: list[str]) -> str:
+        return ", ".join(f"`{Path(p).parent.name}/{Path(p).name}`" for p in paths)
+    return (f" Split by file: the fit part is the part of {names(data['fixtures'])} that `capd calibrate` fits "
+            f"on when given those files (its own 30% held out is left out), and the held-out part is every row "
+            f"of {names(data['held_files'])}, as the tap's author calibrates and then runs `capd test`.")
+
+
 def set_lines(name: str, data: dict[str, Any]) -> list[str]:
-    lines = [f"### {name}", "", f"{data['rows']} rows; tap `{data['tap']}`. Gates: threshold / margin "
-             "(anchor: cosine, k = top-k; fused: level K − μ_in / log-odds gap, and the coverage gate when "
+    lines = [f"### {name}", "", f"{data['rows']} rows; tap `{data['tap']}`.{split_note(data)} Gates: threshold / "
+             "margin (anchor: cosine, k = top-k; fused: level K − μ_in / log-odds gap, and the coverage gate when "
              "calibration turns it on).", "",
              "| row | gates | part | top1 | fired_right | fired_wrong | null_fpr | positives/nulls |",
              "|---|---|---|---|---|---|---|---|"]
@@ -84,7 +96,8 @@ def set_lines(name: str, data: dict[str, Any]) -> list[str]:
         if "tap_gates" in r:  # the tap's capd.toml, fitted on other messages (taps/core/calibration)
             g = gates_text(r["tap_gates"]["gates"], rule)
             lines.append(row(f"**{rule}, the tap's capd.toml**", g, "**held-out**", r["tap_gates"]["held_out"]))
-            lines.append(row(f"{rule}, the tap's capd.toml", g, "all rows (none seen)", r["tap_gates"]["all"]))
+            if "held_files" not in data:  # split by file, the fit part is what the tap's gates were fitted on
+                lines.append(row(f"{rule}, the tap's capd.toml", g, "all rows (none seen)", r["tap_gates"]["all"]))
         if "calibrated" in r:
             g = gates_text(r["calibrated"]["gates"], rule)
             lines.append(row(f"**{rule}, calibrated on fit part**", g, "**held-out**", r["calibrated"]["held_out"]))
@@ -381,7 +394,11 @@ def render(result: dict[str, Any], out: Path) -> str:
         f"fired_wrong ≤ {LIMITS['max_wrong']}. **Headline = held-out.** Rows marked *tuned on* are measured on the "
         "rows the gates were chosen on. Calibration also decides, per set, whether to veto with the shipped "
         "abstain corpus (`+ abstain corpus` on the gates). The `capd` rule scores exactly like `anchor` (it "
-        "differs in session semantics, learned corrections and vetoes), so it is not shown separately.", "",
+        "differs in session semantics, learned corrections and vetoes), so it is not shown separately.",
+        *(["", f"`{CORE_CAL}` is taps/core split by file instead: calibrated on `taps/core/calibration` (the fit "
+            "part `capd calibrate` takes of it) and held out on every row of `taps/core/fixtures`, which no "
+            "calibration saw; its held-out part is three times core's. Its tuned model is core's (the same tap)."]
+          if CORE_CAL in result["sets"] else []), "",
         *(f"- {note}" for note in result["skipped"]), *([""] if result["skipped"] else []),
         "## Summary: before (anchor, calibrated) → after (fused, `capd calibrate`), held-out", "",
         f"Goal per set: top1 ≥ {GOAL['top1']}, fired_right ≥ {GOAL['fired_right']} with null_fpr ≤ "
