@@ -257,31 +257,59 @@ def breakdown(table: ScoreTable, outcome: Outcome, worst: int = 10) -> dict[str,
     }
 
 
-def failing_rows(table: ScoreTable, outcome: Outcome) -> list[dict[str, Any]]:
+Gate = np.ndarray | float  # per capability (indexed by a row's winner) or one value, as apply_gates takes
+
+
+def failing_rows(table: ScoreTable, outcome: Outcome, threshold: Gate, margin: Gate,
+                 coverage: Gate = 0.0) -> list[dict[str, Any]]:
+    """Every row decided wrong (:func:`row_ok`), with ``why``: what decided it at these gates (those
+    :func:`apply_gates` applied), in the order the router checks them."""
     ok = row_ok(table, outcome)
     rows = []
     for row in np.flatnonzero(~ok):
         fixture = table.fixtures[row]
+        winner = int(outcome.winner[row])
         rows.append({
             "source": fixture.source,
             "message": fixture.message,
             "kind": fixture.kind,
             "expect": list(fixture.expect) or None,
-            "got": table.names[outcome.winner[row]] if outcome.fired[row] else None,
-            "best": table.names[outcome.winner[row]],
+            "got": table.names[winner] if outcome.fired[row] else None,
+            "best": table.names[winner],
             "score": round(float(outcome.top1[row]), 4),
             "margin": round(float(outcome.margin[row]), 4),
+            "why": _why(table, outcome, int(row), *(float(g[winner]) if isinstance(g, np.ndarray) else float(g)
+                                                   for g in (threshold, margin, coverage))),
         })
     return rows
 
 
+def _why(table: ScoreTable, outcome: Outcome, row: int, threshold: float, margin: float, coverage: float) -> str:
+    """The row's decision in a few words: activated, or the first gate that stopped its winner (the
+    row's score and margin are beside it in :func:`failing_rows`)."""
+    if outcome.fired[row]:
+        return "activated"
+    if not table.routable[row]:
+        return "too short to route (the short-input gate)"
+    if not float(outcome.top1[row]) >= threshold:
+        return f"{'score' if table.levels is None else 'level'} below threshold {threshold:.3f}"
+    if not float(outcome.margin[row]) >= margin:
+        return f"margin below {margin:.3f}"
+    if not table.covered(coverage)[row]:
+        assert table.coverage is not None  # covered() passes every row without it
+        return f"coverage {float(table.coverage[row]):.3f} below {coverage:.3f}"
+    return "vetoed: a veto (learned, the tap's or the abstain corpus) is nearer than its nearest example"
+
+
 def evaluate(router: Router, fixtures: Sequence[Fixture], threshold: float | None = None,
              margin: float | None = None, coverage: float | None = None) -> tuple[dict[str, Any], ScoreTable, Outcome]:
-    """Metrics of the router on fixtures; threshold / margin / coverage override every tap's gates."""
+    """Metrics of the router on fixtures, with every row decided wrong (``failing_rows``);
+    threshold / margin / coverage override every tap's gates."""
     table = score_table(router, fixtures)
     thr, mar, cov = gate_arrays(router, table.names)
-    outcome = apply_gates(table, threshold if threshold is not None else thr, margin if margin is not None else mar,
-                          coverage if coverage is not None else cov)
+    gates: tuple[Gate, Gate, Gate] = (threshold if threshold is not None else thr,
+                                      margin if margin is not None else mar, coverage if coverage is not None else cov)
+    outcome = apply_gates(table, *gates)
     result = metrics(table, outcome)
     result.update({
         "rule": router.rule,
@@ -293,6 +321,7 @@ def evaluate(router: Router, fixtures: Sequence[Fixture], threshold: float | Non
         "known": known_rows(router, fixtures),
     })
     result.update(breakdown(table, outcome))
+    result["failing_rows"] = failing_rows(table, outcome, *gates)
     return result, table, outcome
 
 

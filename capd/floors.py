@@ -192,9 +192,18 @@ def rows_against(check: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]
     return [] if check == "tap_errors" else rows
 
 
+ROW_MESSAGE_SHOWN = 60  # characters of a row's message in its line
+
+
 def row_line(row: dict[str, Any]) -> str:
-    return (f"{row['source']}: expected {row['expect']}, got {row['got']} "
-            f"(best {row['best']} {row['score']:.3f}, margin {row['margin']:.3f})")
+    """One row decided wrong (:func:`capd.evaluation.failing_rows`): where it is, what it says, what
+    happened and why."""
+    message = " ".join(str(row["message"]).split())
+    if len(message) > ROW_MESSAGE_SHOWN:
+        message = message[:ROW_MESSAGE_SHOWN - 1] + "…"
+    why = f"; {row['why']}" if row.get("why") else ""
+    return (f"{row['source']}: {message!r} expected {row['expect']}, got {row['got']} "
+            f"(best {row['best']} {row['score']:.3f}, margin {row['margin']:.3f}{why})")
 
 
 def junit_xml(reports: list[dict[str, Any]]) -> str:

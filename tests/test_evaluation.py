@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from capd.calibrate import COSINE_GRID, best_point, fit_gates, score_variants, small_part_warnings, split, sweep
 from capd.cli import main
 from capd.errors import FixtureError
-from capd.evaluation import ScoreTable, apply_gates, breakdown, embed_fixtures, metrics
+from capd.evaluation import ScoreTable, apply_gates, breakdown, embed_fixtures, failing_rows, metrics
 from capd.fixtures import Fixture, load_fixtures
-from capd.floors import junit_xml, load_floors, rows_against
+from capd.floors import junit_xml, load_floors, row_line, rows_against
 from capd.router import abstain_corpus
 from capd.service import Service
 from capd.settings import Settings, default_taps
@@ -44,6 +44,29 @@ def _table() -> ScoreTable:
     scores = np.array([r[3] for r in rows], dtype=np.float32)
     expected = np.array([[n in r[1] for n in names] for r in rows])
     return ScoreTable(fixtures, names, scores, np.ones(len(rows), dtype=bool), expected)
+
+
+def test_failing_rows_say_which_gate_decided_each_row() -> None:
+    table = _table()
+    rows = {r["message"]: r for r in failing_rows(table, apply_gates(table, 0.4, 0.1), 0.4, 0.1)}
+    assert sorted(rows) == ["m2", "m3", "m5", "m6"]  # every row decided wrong, and only those
+    assert rows["m2"]["why"] == "margin below 0.100" and rows["m2"]["got"] is None
+    assert rows["m3"]["why"] == "score below threshold 0.400"
+    assert rows["m5"]["why"] == rows["m6"]["why"] == "activated" and rows["m5"]["got"] == "a"
+    # per-capability gates are read at the row's winner (as the router reads its tap's)
+    per = failing_rows(table, apply_gates(table, np.array([0.4, 0.4, 0.3]), 0.1), np.array([0.4, 0.4, 0.3]), 0.1)
+    assert "m3" not in {r["message"] for r in per}
+    # the other gates, in the router's order: too short, then coverage, then a veto
+    short = replace(table, routable=np.array([True, True, False, True, True, True, True]))
+    assert failing_rows(short, apply_gates(short, 0.4, 0.1), 0.4, 0.1)[1]["why"].startswith("too short")
+    covered = replace(table, coverage=np.array([0.2, 1, 1, 1, 1, 1, 1], dtype=np.float32))
+    (first, *_) = failing_rows(covered, apply_gates(covered, 0.4, 0.1, 0.5), 0.4, 0.1, 0.5)
+    assert first["message"] == "m1" and first["why"] == "coverage 0.200 below 0.500"
+    vetoed = replace(table, vetoed=np.array([True, False, False, False, False, False, False]))
+    (first, *_) = failing_rows(vetoed, apply_gates(vetoed, 0.4, 0.1), 0.4, 0.1)
+    assert first["message"] == "m1" and first["why"].startswith("vetoed")
+    assert row_line(rows["m2"]) == ("x.jsonl:2: 'm2' expected ['b'], got None (best a 0.600, margin 0.050; "
+                                    "margin below 0.100)")
 
 
 def test_metrics_hand_computed() -> None:
@@ -414,6 +437,13 @@ def test_eval_json_and_html_report(tmp_path: Path, model_settings: Settings) -> 
                 "threshold", "margin"):
         assert key in report
     assert report["positives"] + report["nulls"] == report["n"]
+    wrong = report["failing_rows"]  # every row decided wrong, each with what decided it
+    assert wrong and all(r["why"] for r in wrong)
+    assert sum(r["expect"] is None for r in wrong) == round(report["null_fpr"] * report["nulls"])
+    assert sum(r["expect"] is not None for r in wrong) == round((1 - report["fired_right"]) * report["positives"])
+    text = CliRunner().invoke(main, [a for a in args if a not in ("--json", "--html", str(html))]).stdout
+    listed = text.split("rows decided wrong: ")[1].splitlines()
+    assert listed[0].startswith(str(len(wrong))) and "expected None" in listed[1]  # the nulls that fired first
     page = html.read_text()
     assert "<svg" in page and "threshold" in page and "http://" not in page.replace("http://www.w3.org", "")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -912,7 +942,7 @@ def test_each_failing_check_lists_the_rows_that_count_against_it() -> None:
                                       "passed": False}], "failing_rows": rows}
     (failure,) = ET.fromstring(junit_xml([report]).split("?>", 1)[1]).iter("failure")
     assert failure.text is not None and failure.text.splitlines() == [
-        "p.jsonl:41: expected ['a'], got c (best c 0.500, margin 0.010)"]
+        "p.jsonl:41: 'm' expected ['a'], got c (best c 0.500, margin 0.010)"]
 
 
 def test_calibrate_write_refused_still_prints_what_it_measured(tmp_path: Path) -> None:

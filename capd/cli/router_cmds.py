@@ -218,8 +218,23 @@ def eval_(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
         click.echo("worst confusions (expected -> ranked first; how many of those it activated):")
         for c in result["confusions"]:
             click.echo(f"  {c['count']:>4}  {c['expected']} -> {c['got']}  (activated {c['fired']})")
+    _echo_failing_rows(result["failing_rows"])
     if html is not None:
         click.echo(f"report: {html}")
+
+
+def _echo_failing_rows(rows: list[dict[str, Any]]) -> None:
+    """``capd eval``'s rows decided wrong, nulls that fired first (each one loads tools nobody asked
+    for), then positives that fired another capability, then those that abstained."""
+    from capd.floors import row_line
+
+    if not rows:
+        return
+    order = sorted(rows, key=lambda r: (r["expect"] is not None, r["got"] is None))
+    click.echo(f"rows decided wrong: {len(rows)}" + (f" (the first {ROWS_SHOWN_TEXT}; --json lists every one)"
+                                                     if len(rows) > ROWS_SHOWN_TEXT else ""))
+    for row in order[:ROWS_SHOWN_TEXT]:
+        click.echo(f"  {row_line(row)}")
 
 
 @click.command("test")
@@ -256,7 +271,7 @@ def test_(tap_args: tuple[Path, ...], config: Path | None, taps: tuple[Path, ...
 def _test_tap(base: Settings, tap: Path) -> dict[str, Any]:
     """``capd test``'s report on one tap: its fixtures routed as a daemon on it routes them, against
     the floors of the rule it routes with."""
-    from capd.evaluation import evaluate, failing_rows
+    from capd.evaluation import evaluate
     from capd.fixtures import check_names, load_fixtures, tap_fixture_files
     from capd.floors import Check, check_floors, load_floors
 
@@ -272,7 +287,7 @@ def _test_tap(base: Settings, tap: Path) -> dict[str, Any]:
     # A row expecting a capability that failed to load is a row nothing can fire right, and the
     # tap fails tap_errors: stopping here left CI with no report (every capability has rows).
     check_names(fixtures, {*service.catalog_now().capabilities, *_broken(service)})
-    result, table, outcome = evaluate(service.router, fixtures)
+    result, _, _ = evaluate(service.router, fixtures)
     checks = check_floors(floors, result)
     errors = service.catalog_now().errors  # a capability that does not load is not tested at all
     if errors:
@@ -284,7 +299,7 @@ def _test_tap(base: Settings, tap: Path) -> dict[str, Any]:
             "metrics": {k: result[k] for k in ("n", "top1", "fired_right", "fired_wrong", "null_fpr")},
             "known": result["known"],
             "checks": [c.as_dict() for c in checks], "passed": all(c.passed for c in checks),
-            "failing_rows": failing_rows(table, outcome),
+            "failing_rows": result["failing_rows"],
             "errors": [problem.as_dict() for problem in errors]}
 
 
