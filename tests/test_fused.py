@@ -385,7 +385,8 @@ def test_second_stage_fires_more_often_right_on_the_shipped_tap(fused_core: Serv
                                                                  core_fixtures: list[Any]) -> None:
     """Late interaction over token vectors settles near ties that pooled vectors blur. Measured on
     taps/core with the coverage gate off (it is measured on its own below), gates calibrated on the
-    fit part: held-out fired_right 0.754 without, 0.815 with (abstain corpus on). With the
+    fit part: held-out fired_right 0.767 without, 0.781 with (abstain corpus on; 0.754 and 0.815
+    before the agent-turn fixtures). With the
     coverage gate on as well, the second stage no longer adds fired_right (benchmarks/quality/README.md,
     "Coverage gate"); its contribution there is top1, tested above."""
     router = fused_core.router
@@ -405,16 +406,21 @@ def test_second_stage_fires_more_often_right_on_the_shipped_tap(fused_core: Serv
     assert held_with["null_fpr"] <= held_without["null_fpr"] and held_with["fired_wrong"] <= held_without["fired_wrong"]
 
 
-def test_coverage_gate_fires_more_often_right_on_the_shipped_tap(fused_core: Service,
-                                                                  core_fixtures: list[Any]) -> None:
+def test_coverage_gate_fires_more_often_right_on_the_shipped_tap(fused_core: Service, core_fixtures: list[Any],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The coverage gate (the share of the message's words the winner's examples speak of) turns
     away chitchat, feedback, pasted logs and off-topic asks that level and margin let through.
-    taps/core, calibrated on the fit part with and without the coverage axis: fit fired_right
-    0.822 -> 0.866, held-out 0.815 -> 0.831, null_fpr 0.04 and fired_wrong 0 both ways."""
+    taps/core, calibrated on the fit part with and without the coverage axis, the abstain corpus on
+    both ways as the tap ships it: fit fired_right 0.759 -> 0.868, held-out 0.781 -> 0.877, null_fpr
+    0.051 and fired_wrong 0 both ways. (Left to choose, calibration keeps the corpus without the
+    gate and, by one fit positive of 174, leaves it off with it: held-out null_fpr 0.051 -> 0.103,
+    the corpus's doing, not the gate's; with the corpus off both ways it is 0.103 both ways.)"""
+    monkeypatch.setattr("capd.calibrate.CORPUS_MIN_GAIN", -1.0)  # any fit gain keeps it: on both ways
     router = fused_core.router
     with_gate = calibrate(router, core_fixtures)
     without = calibrate(router, core_fixtures, grid=NO_COVERAGE)
     assert with_gate["recommended"]["coverage"] > 0 and without["recommended"]["coverage"] == 0
+    assert with_gate["recommended"]["abstain_corpus"] and without["recommended"]["abstain_corpus"]
     assert with_gate["fit"]["fired_right"] >= without["fit"]["fired_right"] + 0.03
     held_with, held_without = with_gate["held_out"], without["held_out"]
     assert held_with["fired_right"] >= held_without["fired_right"]
@@ -456,8 +462,8 @@ def test_fused_default_gates_route_and_abstain(fused_core: Service) -> None:
 def test_auto_gates_fire_right_far_more_than_the_manifest_default_without_seeing_a_fixture(
         fused_core: Service, core_fixtures: list[Any]) -> None:
     """Auto gates are fitted on taps/core's own examples (out of fold) and the abstain corpus.
-    Held-out core fixtures, with the corpus on as the tap has it: fired_right 0.569 at null_fpr
-    0.057 (2 of 35 nulls) against 0.415 at 0.029 with the manifest's one-size point (before the
+    Held-out core fixtures, with the corpus on as the tap has it: fired_right 0.603 at null_fpr
+    0.051 (2 of 39 nulls) against 0.452 at 0.026 with the manifest's one-size point (before the
     small-talk rows, 0.585 against 0.431 at 0.08 each)."""
     router = fused_core.router
     manifest = manifest_for(fused_core.settings)
@@ -468,8 +474,11 @@ def test_auto_gates_fire_right_far_more_than_the_manifest_default_without_seeing
     auto, _, _ = evaluate(router, rows, gates.threshold, gates.margin, gates.coverage)  # not the tap's capd.toml
     default, _, _ = evaluate(router, rows, manifest.fused_threshold, manifest.fused_margin, manifest.fused_coverage)
     assert auto["fired_right"] >= default["fired_right"] + 0.1
-    one_null = 1 / auto["nulls"]  # 0.1 or more of the positives for at most one more null
-    assert auto["null_fpr"] <= default["null_fpr"] + one_null + 1e-9 and auto["fired_wrong"] <= 0.03
+    def nulls_fired(result: dict[str, Any]) -> int:  # counted, not compared as rates rounded to 4 places
+        return round(result["null_fpr"] * result["nulls"])
+
+    # 0.1 or more of the positives for at most one more null
+    assert nulls_fired(auto) <= nulls_fired(default) + 1 and auto["fired_wrong"] <= 0.03
     reported = calibrate(router, core_fixtures, auto=gates)["auto_gates"]["held_out"]
     assert (reported["fired_right"], reported["null_fpr"]) == (auto["fired_right"], auto["null_fpr"])  # capd calibrate
     with closing(Service(dataclasses.replace(fused_core.settings, auto_gates=False)).start()) as service:
@@ -478,16 +487,18 @@ def test_auto_gates_fire_right_far_more_than_the_manifest_default_without_seeing
 
 def test_calibrate_fused_and_write_keeps_the_other_rules_gates(fused_core: Service, core_fixtures: list[Any],
                                                                tmp_path: Path) -> None:
-    """Calibration on taps/core picks a coverage gate, and keeps the abstain corpus, which does not
-    lower the fit fired_right (0.892 either way: a tie keeps it, and held out it halves the nulls that
-    fire). ``--write`` records the fused gates, coverage included, next to the other rules' gates,
-    and reads them back."""
+    """Calibration on taps/core picks a coverage gate, and keeps the abstain corpus unless it lowers
+    the fit fired_right (on its fixtures since the agent turns it does, by one positive of 174:
+    0.874 without, 0.868 with, so it is left off; before them it was a tie, 0.892, and kept).
+    ``--write`` records the fused gates, coverage included, next to the other rules' gates, and
+    reads them back."""
     report = calibrate(fused_core.router, core_fixtures)
     point = report["recommended"]
     assert report["rule"] == "fused" and point["top_k"] == 3 and point["coverage"] > 0
     assert report["fit"]["null_fpr"] <= 0.05 and report["fit"]["fired_wrong"] <= 0.03
     tried = report["abstain_corpus"]
-    assert point["abstain_corpus"] and report["fit"]["fired_right"] == tried["with"] >= tried["without"]
+    assert point["abstain_corpus"] == (tried["with"] >= tried["without"])
+    assert report["fit"]["fired_right"] == max(tried["with"], tried["without"])
     tap = tmp_path / "tap"
     (tap / "capabilities").mkdir(parents=True)
     write_gates(tap, {"threshold": 0.4, "margin": 0.05, "top_k": 2, "abstain_corpus": True}, "all-minilm-l6-v2",

@@ -102,7 +102,7 @@ def test_markdown_has_every_section(report: Report) -> None:
     for heading in ("## Summary", "## Learning from corrections", "## Cost of the fused rule", "## What we tried"):
         assert heading in markdown
     offsets = markdown.split("## Per-capability offsets")[1].split("\n## ")[0]
-    assert "| core | 65 / 35 " in offsets and "| core | fused | " in offsets
+    assert f"| core | {after['positives']} / {after['nulls']} " in offsets and "| core | fused | " in offsets
     assert "not measured by this script" in markdown
     assert result["sets"]["core"]["timing"]["fused"]["score_ms"] > 0
 

@@ -138,7 +138,9 @@ class EvalSet:
         if not self.held_files:
             yield fixtures
             return
-        held = set(calibration._split_keys(load_fixtures(self.held_files)))
+        keys = calibration._split_keys(fixtures)  # the keys split() will hash: these rows, in this order
+        first_held = len(fixtures) - len(load_fixtures(self.held_files))
+        held = set(keys[first_held:]) - set(keys[:first_held])
         shipped = calibration._hashed
         calibration._hashed = lambda key, part: (0 if key in held else 999) if part == 0 else shipped(key, part)
         try:

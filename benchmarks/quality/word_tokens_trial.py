@@ -1,0 +1,93 @@
+"""Research harness: the second stage and the coverage gate on words instead of word pieces.
+
+Run: ``.venv/bin/python -m benchmarks.quality.word_tokens_trial --variant word|nopunct|both
+[--sets core,healthcare,snips7] [--splits 5]`` (about 1 min a variant on those three sets; the
+``splits_trial`` options apply, fused rule, untuned model, ONNX backend).
+
+The fused rule's token vectors are the model's word pieces: "hnswlib" is four rows (``h ##ns ##wl
+##ib``), a path is a row per piece and per ``/`` and ``.``. A rare word or a path then weighs
+several times a common word in the coverage gate (the mean over the message's rows of each one's
+best cosine to the capability's example rows) and in the late-interaction score. Variants, applied
+to every text's token rows (messages and examples alike) by patching
+:meth:`capd.encoder.OnnxEncoder._embed`: ``word`` averages a word's pieces into one row, ``nopunct``
+drops rows that are punctuation or symbols only, ``both`` does both. Each is measured like
+``splits_trial`` (plain ``capd calibrate`` on five splits), which it runs after the patch; compare
+with a plain ``splits_trial`` run on the same sets. Results: ``benchmarks/quality/README.md``, *What
+failed*.
+"""
+
+from __future__ import annotations
+
+import sys
+import unicodedata
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from capd import encoder as encoders
+from capd.encoder import Embedded, TokenVectors
+
+VARIANTS = ("word", "nopunct", "both")
+
+
+def _symbol(piece: str) -> bool:
+    text = piece.removeprefix("##")
+    return bool(text) and all(unicodedata.category(ch)[0] in "PS" for ch in text)
+
+
+def word_rows(states: np.ndarray, encoding: Any, variant: str) -> np.ndarray | None:
+    """One text's token rows under ``variant``; None when nothing is left (the shipped rows are kept)."""
+    groups: dict[int, list[int]] = {}
+    for j, (word, real) in enumerate(zip(encoding.word_ids, encoding.attention_mask, strict=True)):
+        if not real or word is None or (variant != "word" and _symbol(encoding.tokens[j])):
+            continue  # padding and [CLS] / [SEP] (no word), and with nopunct / both symbols
+        groups.setdefault(word if variant != "nopunct" else j, []).append(j)
+    if not groups:
+        return None
+    return encoders.l2_normalize(np.stack([np.asarray(states[g], dtype=np.float32).mean(axis=0)
+                                           for g in groups.values()]))
+
+
+def patched_embed(variant: str) -> Any:
+    """:meth:`OnnxEncoder._embed` with the token rows of ``variant`` (sentence vectors unchanged)."""
+    def _embed(self: encoders.OnnxEncoder, texts: Sequence[str], tokens: bool) -> Embedded:
+        vectors, shipped = shipped_embed(self, texts, tokens)
+        if not tokens:
+            return vectors, shipped
+        items = [self._prefix + t for t in texts]
+        rows: TokenVectors = list(shipped)
+        for start in range(0, len(items), self._batch):
+            chunk = items[start:start + self._batch]
+            hidden, _ = self._run(chunk)
+            for k, encoding in enumerate(self._tokenizer.encode_batch(chunk)):
+                if (words := word_rows(hidden[k], encoding, variant)) is not None:
+                    rows[start + k] = words
+        return vectors, rows
+
+    return _embed
+
+
+shipped_embed = encoders.OnnxEncoder._embed
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    variant = argv[argv.index("--variant") + 1] if "--variant" in argv else ""
+    if variant not in VARIANTS:
+        raise SystemExit(f"--variant: one of {', '.join(VARIANTS)}")
+    rest = [a for i, a in enumerate(argv) if a != "--variant" and (i == 0 or argv[i - 1] != "--variant")]
+    if "--sets" not in rest:
+        rest += ["--sets", "core,healthcare,snips7"]
+    if "--out" not in rest:
+        rest += ["--out", f"benchmarks/results/word_tokens_trial_{variant}.json"]
+    from benchmarks.quality import splits_trial
+
+    encoders.OnnxEncoder._embed = patched_embed(variant)  # type: ignore[method-assign]
+    try:
+        return splits_trial.main(rest)
+    finally:
+        encoders.OnnxEncoder._embed = shipped_embed  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
