@@ -30,7 +30,7 @@ headline split a tie kept out by it let 4 of 35 held-out nulls through instead o
 fired_right (benchmarks/quality/README.md, *The abstain corpus kept unless it costs*). The fit part
 weighs fired_right only: on that split since taps/core's agent-turn fixtures the corpus costs one fit
 positive of 174 and is left off, while held out it would cost none and turn away 2 of the 4 of 39
-nulls that fire (small talk). One split; the rule stays.
+nulls that fire (all chat). One split; the rule stays.
 
 The fit part's null rows are the tap's vetoes while the gates are fitted (:func:`fit_vetoes`;
 :class:`capd.router.Vetoes`: a winner is turned away when two of them are nearer the message than
