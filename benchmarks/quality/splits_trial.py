@@ -42,7 +42,17 @@ from benchmarks.quality.calibration_trial import MODES
 from benchmarks.quality.calibration_trial import accept as cautious
 from benchmarks.quality.oof_gates_trial import figures as rates
 from benchmarks.quality.report import meets
-from benchmarks.quality.run import GOAL, LIMITS, Bench, EvalSet, chosen_sets, trial_bench, trial_parser, write_report
+from benchmarks.quality.run import (
+    GOAL,
+    LIMITS,
+    Bench,
+    EvalSet,
+    chosen_sets,
+    split_hashed,
+    trial_bench,
+    trial_parser,
+    write_report,
+)
 from capd import calibrate as calibration
 from capd.calibrate import Grid, Point
 from capd.evaluation import ScoreTable
@@ -52,13 +62,8 @@ from capd.evaluation import ScoreTable
 def salted(split: int) -> Iterator[None]:
     """Split ``split`` of the rows: every hash :func:`capd.calibrate.split` and
     :func:`capd.calibrate.folds_of` take is of ``"<split>:" + key`` (split 0: of the key itself)."""
-    shipped = calibration._hashed
-    if split:
-        calibration._hashed = lambda key, part: shipped(f"{split}:{key}", part)
-    try:
+    with split_hashed(lambda shipped, key, part: shipped(f"{split}:{key}" if split else key, part)):
         yield
-    finally:
-        calibration._hashed = shipped
 
 
 TIES = ("shipped", "strict", "middle")

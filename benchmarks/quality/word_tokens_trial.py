@@ -18,6 +18,7 @@ failed*.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import unicodedata
 from collections.abc import Sequence
@@ -50,20 +51,23 @@ def word_rows(states: np.ndarray, encoding: Any, variant: str) -> np.ndarray | N
 
 
 def patched_embed(variant: str) -> Any:
-    """:meth:`OnnxEncoder._embed` with the token rows of ``variant`` (sentence vectors unchanged)."""
+    """:meth:`OnnxEncoder._embed` with the token rows of ``variant`` (sentence vectors unchanged): the
+    model runs once per batch, as shipped, and the rows are built from its hidden states."""
     def _embed(self: encoders.OnnxEncoder, texts: Sequence[str], tokens: bool) -> Embedded:
-        vectors, shipped = shipped_embed(self, texts, tokens)
         if not tokens:
-            return vectors, shipped
+            return shipped_embed(self, texts, tokens)
         items = [self._prefix + t for t in texts]
-        rows: TokenVectors = list(shipped)
+        vectors = np.empty((len(items), self._dim), dtype=np.float32)
+        rows: TokenVectors = []
         for start in range(0, len(items), self._batch):
             chunk = items[start:start + self._batch]
-            hidden, _ = self._run(chunk)
-            for k, encoding in enumerate(self._tokenizer.encode_batch(chunk)):
-                if (words := word_rows(hidden[k], encoding, variant)) is not None:
-                    rows[start + k] = words
-        return vectors, rows
+            hidden, mask = self._run(chunk)
+            vectors[start:start + len(chunk)] = encoders.pool(hidden, mask, self._pooling)
+            for k, (encoding, shipped) in enumerate(zip(self._tokenizer.encode_batch(chunk),
+                                                        encoders.token_rows(hidden, mask), strict=True)):
+                words = word_rows(hidden[k], encoding, variant)
+                rows.append(shipped if words is None else words)
+        return (encoders.l2_normalize(vectors) if self._normalize and len(items) else vectors), rows
 
     return _embed
 
@@ -72,17 +76,16 @@ shipped_embed = encoders.OnnxEncoder._embed
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    variant = argv[argv.index("--variant") + 1] if "--variant" in argv else ""
-    if variant not in VARIANTS:
-        raise SystemExit(f"--variant: one of {', '.join(VARIANTS)}")
-    rest = [a for i, a in enumerate(argv) if a != "--variant" and (i == 0 or argv[i - 1] != "--variant")]
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--variant", choices=VARIANTS, required=True)
+    args, rest = parser.parse_known_args(argv)  # the rest are splits_trial's options
     if "--sets" not in rest:
         rest += ["--sets", "core,healthcare,snips7"]
     if "--out" not in rest:
-        rest += ["--out", f"benchmarks/results/word_tokens_trial_{variant}.json"]
+        rest += ["--out", f"benchmarks/results/word_tokens_trial_{args.variant}.json"]
     from benchmarks.quality import splits_trial
 
-    encoders.OnnxEncoder._embed = patched_embed(variant)  # type: ignore[method-assign]
+    encoders.OnnxEncoder._embed = patched_embed(args.variant)  # type: ignore[method-assign]
     try:
         return splits_trial.main(rest)
     finally:
