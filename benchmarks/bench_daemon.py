@@ -63,11 +63,12 @@ from filelock import FileLock
 from benchmarks import gen_tap
 from capd.autogates import AUTO_REFIT_SHARE
 from capd.client import CapdClient
+from capd.embedder import CachedEmbedder
 from capd.encoder import Encoder, open_encoder
 from capd.index import TriggerIndex
 from capd.settings import Settings
 from capd.text import clean_message
-from capd.vectorcache import CachedEmbedder, VectorCache
+from capd.vectorcache import VectorCache
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

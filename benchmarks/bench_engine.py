@@ -41,13 +41,14 @@ import capd.index as index_module
 from benchmarks import gen_tap
 from capd import fused
 from capd.batching import MicroBatcher
+from capd.embedder import CachedEmbedder
 from capd.encoder import Encoder, open_encoder
 from capd.index import TriggerIndex
 from capd.models import manifest_for, resolve
 from capd.onnx_export import onnx_dir
 from capd.settings import Settings, default_taps
 from capd.taps import load_catalog
-from capd.vectorcache import CachedEmbedder, VectorCache
+from capd.vectorcache import VectorCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(__file__).resolve().parent / ".cache"  # generated taps and their trigger vectors, kept between runs
@@ -64,7 +65,8 @@ from capd.encoder import open_encoder
 from capd.index import TriggerIndex
 from capd.settings import Settings
 from capd.taps import load_catalog
-from capd.vectorcache import CachedEmbedder, VectorCache
+from capd.embedder import CachedEmbedder
+from capd.vectorcache import VectorCache
 settings = Settings(data_dir=Path(sys.argv[1]), backend="onnx", taps=tuple(Path(p) for p in sys.argv[2:]))
 encoder = open_encoder(settings)
 cache = VectorCache.open(settings.data_dir)

@@ -15,7 +15,7 @@ transfers badly. Auto gates calibrate on what every tap already has:
   ``AUTO_MIN_SCORED`` examples scores them all: samples of about a hundred examples moved the
   gates of the small shared sets, while 2,553 of the generated 1,000-capability tap's examples
   gave gates a little more cautious than all 10,951 (``benchmarks/quality/README.md``).
-- **nulls**: the shipped abstain corpus (:func:`capd.router.abstain_corpus`), scored by the head
+- **nulls**: the shipped abstain corpus (:func:`capd.vetoes.abstain_corpus`), scored by the head
   the rule routes with, minus the messages whose level at their winner reaches ``CORPUS_LEVEL_CUT``: they
   are as close to a capability as its own examples are to each other ("see you tomorrow" for a
   tap with a goodbye capability is no null there).

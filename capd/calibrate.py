@@ -17,7 +17,7 @@ axis (exactly what comparing every row with every grid point gives, in O(rows + 
 O(rows × grid)).
 
 For the ``capd`` and ``fused`` rules the sweep runs twice: without and with the shipped abstain
-corpus (:func:`capd.router.abstain_corpus`: a winner is vetoed when the message is nearer one
+corpus (:func:`capd.vetoes.abstain_corpus`: a winner is vetoed when the message is nearer one
 of those generic messages than to the winner's nearest example). The corpus is kept unless it
 lowers ``fired_right`` on the fitting part within the limits (``CORPUS_MIN_GAIN`` is 0: a tie keeps
 it). The fit part measures the corpus only against the nulls it holds; the corpus also guards
@@ -33,7 +33,7 @@ positive of 174 and is left off, while held out it would cost none and turn away
 nulls that fire (all chat). One split; the rule stays.
 
 The fit part's null rows are the tap's vetoes while the gates are fitted (:func:`fit_vetoes`;
-:class:`capd.router.Vetoes`: a winner is turned away when two of them are nearer the message than
+:class:`capd.vetoes.Vetoes`: a winner is turned away when two of them are nearer the message than
 the winner's nearest example), each row scored without its own copy among them, and ``--write``
 appends them to ``<tap>/vetoes.jsonl`` so that the daemon routes as calibration measured
 (``--no-vetoes``: neither). Held out, this lifted hwu64's fired_right from 0.60 to 0.78 at the same
@@ -79,8 +79,9 @@ from capd.errors import CapdError
 from capd.evaluation import ScoreTable, embed_fixtures, gated_metrics, score_table
 from capd.fixtures import Fixture
 from capd.offsets import OffsetFit, fit_offsets
-from capd.router import Router, distinct_vetoes
+from capd.router import Router
 from capd.text import routed_key
+from capd.vetoes import distinct_vetoes
 
 if TYPE_CHECKING:  # calibrate_examples builds on this module
     from capd.calibrate_examples import ExamplePlan
@@ -284,7 +285,7 @@ def score_variants(router: Router, fixtures: Sequence[Fixture], vectors: np.ndar
 
 def fit_vetoes(fixtures: Sequence[Fixture], rule: str) -> list[Fixture]:
     """The rows that become the tap's vetoes: the fit part's null rows, once per routed text
-    (:func:`~capd.router.distinct_vetoes`; none for ``anchor``, which has no vetoes). Calibration
+    (:func:`~capd.vetoes.distinct_vetoes`; none for ``anchor``, which has no vetoes). Calibration
     fits the gates with them in force, each row scored without its own copy, and ``--write``
     stores them in ``<tap>/vetoes.jsonl``; the held-out part never joins them, so its figures stay
     those of unseen messages."""

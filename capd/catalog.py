@@ -235,7 +235,7 @@ class TapConfig:
     """``<tap>/capd.toml``: per-tap gate overrides written by ``capd calibrate --write``, and the rule
     the tap's author routes it with (``rule``, written by hand; see :func:`capd.settings.tap_rule`);
     with it the tap's vetoes, ``<tap>/vetoes.jsonl`` (messages none of its capabilities may take:
-    :class:`capd.router.Vetoes`), and its examples, ``<tap>/examples.jsonl``. Any file may be absent."""
+    :class:`capd.vetoes.Vetoes`), and its examples, ``<tap>/examples.jsonl``. Any file may be absent."""
 
     path: Path
     gates: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))  # anchor and capd rules

@@ -44,7 +44,7 @@ class ScoreTable:
     routable: np.ndarray  # bool [rows]: passed the short-input gate
     expected: np.ndarray  # bool [rows, capabilities]
     levels: np.ndarray | None = None  # [rows, capabilities]: what the threshold reads, when not ``scores``
-    vetoed: np.ndarray | None = None  # bool [rows]: a learned abstain vetoes the row's winner (router.Vetoes)
+    vetoed: np.ndarray | None = None  # bool [rows]: a learned abstain vetoes the row's winner (capd.vetoes.Vetoes)
     coverage: np.ndarray | None = None  # [rows]: the winner's coverage (fused; None: no coverage gate)
 
     @functools.cached_property

@@ -31,8 +31,9 @@ from capd.fused import TOP_K, FusedHead, build_head, head_key
 from capd.gates import GateBook, Gates, build_gatebook, taps_set_gates
 from capd.index import TriggerIndex
 from capd.models import ModelManifest
-from capd.router import Router, abstain_corpus
+from capd.router import Router
 from capd.settings import Settings
+from capd.vetoes import abstain_corpus
 
 log = logging.getLogger(__name__)
 

@@ -59,9 +59,9 @@ import numpy as np
 import numpy.typing as npt
 
 from capd.catalog import Catalog
+from capd.embedder import CachedEmbedder, Progress
 from capd.encoder import Vectors, l2_normalize
 from capd.errors import UnknownCapability
-from capd.vectorcache import CachedEmbedder, Progress
 
 Ints = npt.NDArray[np.int64]
 

@@ -8,7 +8,7 @@ Two corrections are recorded for a capability's tap, each keyed by the routed me
 - **abstain**: the agent manually disables capability Y right after the message that
   activated it (no other message routed in between): *(that message ↛ Y)*. Y is then vetoed
   for any message at least as close to a refused message as to Y's own examples
-  (:class:`capd.router.Vetoes`): the agent said no to a message like this one. Disabling Y
+  (:class:`capd.vetoes.Vetoes`): the agent said no to a message like this one. Disabling Y
   later (after another message, e.g. because the work is done) teaches nothing.
 
 A later correction of the same (capability, message) replaces the earlier one. Each capability

@@ -28,11 +28,12 @@ from collections.abc import Iterator
 import numpy as np
 
 from capd.catalog import Capability, Catalog, Problem
+from capd.embedder import CachedEmbedder
 from capd.encoder import Vectors, open_encoder
 from capd.lint import _normal, _trigger_line
 from capd.models import manifest_for
 from capd.settings import Settings, own_data_dir
-from capd.vectorcache import CachedEmbedder, VectorCache
+from capd.vectorcache import VectorCache
 
 BLOCK = 2048  # rows per block of the pairwise product (bounds memory at BLOCK x n floats)
 

@@ -30,9 +30,8 @@ import copy
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -45,7 +44,8 @@ from capd.encoder import Encoder, TokenVectors
 from capd.errors import UnknownCapability
 from capd.gates import GateBook, Gates, gate, not_a_number, shown
 from capd.index import TriggerIndex
-from capd.text import clean_message, recall_key, routed_key, strip_tags
+from capd.text import clean_message, recall_key, routed_key
+from capd.vetoes import VETO_TIE, Refusal, Vetoes
 
 log = logging.getLogger(__name__)
 
@@ -110,135 +110,6 @@ def example_catalog(catalog: Catalog, rule: str, learned: Mapping[str, Sequence[
             digest.update(b"\0" + text.encode())
         capabilities[capability.name] = replace(capability, triggers=texts, fingerprint=digest.hexdigest())
     return replace(catalog, capabilities=MappingProxyType(capabilities))
-
-
-# How much closer to a refused message than to the capability's nearest example a message must be
-# to be vetoed. The two cosines come from different arithmetic (the vetoes' matrix, the index's own
-# rows): a message equal to both a refused message and a trigger scored 1.0 against 0.99999994, and
-# a last-bit difference vetoed it. Float32 cosines are good to about 1e-7.
-VETO_TIE = 1e-5
-# A tap's vetoes (vetoes.jsonl) turn any of its capabilities away, so one stray line near a busy
-# capability would swallow its requests: the *second* nearest of them must be nearer the message
-# than the winner's nearest example (a message that is one of them is vetoed outright). Measured
-# with `python -m benchmarks.quality.null_veto_trial --ks 1,2,3 --core-cal` (benchmarks/quality/README.md,
-# *The tap's vetoes*): with the nearest one alone, taps/core calibrated on its calibration set at its
-# floors' limits let 6 of its 91 fixture nulls through instead of 3; with two, 3, and hwu64 gains more.
-TAP_VETO_VOTES = 2
-
-
-VetoSource = Literal["learned", "corpus", "tap"]
-
-
-def veto_text(message: str) -> str:
-    """What a tap's veto is embedded as: the text a message equal to it routes on."""
-    return strip_tags(message)
-
-
-def distinct_vetoes(messages: Sequence[str]) -> tuple[str, ...]:
-    """``messages`` once per routed text (case and spacing aside, :func:`~capd.text.recall_key`),
-    the first spelling kept, without those that leave nothing to route on."""
-    seen: dict[str, str] = {}
-    for message in messages:
-        key = routed_key(message)
-        if key and key not in seen:
-            seen[key] = message
-    return tuple(seen.values())
-
-
-@dataclass(frozen=True)
-class Vetoes:
-    """Abstains that veto a winner: per capability, the messages an agent refused it for
-    (learned abstains, :mod:`capd.learned`); per tap, the messages of its ``vetoes.jsonl``, which
-    none of its capabilities may take (written by ``capd calibrate --write`` from the fixtures'
-    null rows, or by hand); and the shipped abstain corpus (:func:`abstain_corpus`) for the
-    capabilities whose tap's gates turn it on.
-
-    A winner that cleared the gates is vetoed when the message is closer to one of them than
-    to the capability's nearest example (for a tap's vetoes: when two of them are, or the message
-    is one of them; ``TAP_VETO_VOTES``): nearest-neighbour evidence that this message is like
-    one that must not take it. No constant to tune, and a message equal to one of the
-    capability's own triggers is never vetoed.
-    """
-
-    texts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    vectors: Mapping[str, np.ndarray] = field(default_factory=dict)  # name -> unit rows [n, dim], as texts
-    corpus: tuple[str, ...] = ()
-    corpus_vectors: np.ndarray | None = None  # unit rows [len(corpus), dim]
-    taps: Mapping[Path, tuple[tuple[str, ...], np.ndarray]] = field(default_factory=dict)  # tap -> (texts, rows)
-
-    @classmethod
-    def build(cls, refused: Mapping[str, Sequence[str]], vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
-        """From capability → refused messages; ``vectors_of`` embeds texts (unit rows)."""
-        texts = {name: tuple(messages) for name, messages in refused.items() if messages}
-        flat = [t for messages in texts.values() for t in messages]
-        if not flat:
-            return cls()
-        matrix, start, vectors = np.asarray(vectors_of(flat), dtype=np.float32), 0, {}
-        for name, messages in texts.items():
-            vectors[name] = matrix[start:start + len(messages)]
-            start += len(messages)
-        return cls(MappingProxyType(texts), MappingProxyType(vectors))
-
-    def with_corpus(self, vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
-        """These vetoes plus the abstain corpus (embedded once; kept when already there)."""
-        if self.corpus_vectors is not None:
-            return self
-        corpus = abstain_corpus()
-        return replace(self, corpus=corpus, corpus_vectors=np.asarray(vectors_of(list(corpus)), dtype=np.float32))
-
-    def with_taps(self, messages: Mapping[Path, Sequence[str]],
-                  vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
-        """These vetoes with each tap's own (``vetoes.jsonl``) replaced by ``messages``; one embedding call.
-
-        A veto stands for the text a message like it routes on (:func:`veto_text`: its tags
-        removed), and counts once per such text: copies that differ in case, spacing or tags are
-        one message to the model, and two of them would be the two votes ``TAP_VETO_VOTES`` asks
-        of different messages. One with nothing left to route on is no veto."""
-        kept = {tap: distinct for tap, texts in messages.items() if (distinct := distinct_vetoes(texts))}
-        flat = list(dict.fromkeys(t for texts in kept.values() for t in texts))
-        if not flat:
-            return replace(self, taps=MappingProxyType({}))
-        row = {text: i for i, text in enumerate(flat)}
-        matrix = np.asarray(vectors_of([veto_text(t) for t in flat]), dtype=np.float32)
-        return replace(self, taps=MappingProxyType(
-            {tap: (texts, matrix[[row[t] for t in texts]]) for tap, texts in kept.items()}))
-
-    def candidates(self, name: str, corpus: bool, tap: Path | None = None) -> list[tuple[tuple[str, ...], np.ndarray,
-                                                                                        VetoSource]]:
-        """(messages, their vectors, where they come from) that can veto ``name`` (of ``tap``)."""
-        out: list[tuple[tuple[str, ...], np.ndarray, VetoSource]] = []
-        if name in self.vectors:
-            out.append((self.texts[name], self.vectors[name], "learned"))
-        if tap is not None and tap in self.taps:
-            out.append((*self.taps[tap], "tap"))
-        if corpus and self.corpus_vectors is not None:
-            out.append((self.corpus, self.corpus_vectors, "corpus"))
-        return out
-
-    def __len__(self) -> int:
-        return (sum(len(t) for t in self.texts.values()) + len(self.corpus)
-                + sum(len(texts) for texts, _ in self.taps.values()))
-
-
-ABSTAIN_CORPUS = Path(__file__).with_name("abstain_corpus.txt")
-
-
-def abstain_corpus() -> tuple[str, ...]:
-    """The shipped abstain corpus: chitchat, thanks, vague asks, feedback ("still broken"),
-    pasted logs and errors, off-topic requests, in our own words; one message per line."""
-    lines = ABSTAIN_CORPUS.read_text(encoding="utf-8").splitlines()
-    return tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a winner is vetoed: the nearest vetoing message, its cosine, the winner's nearest
-    example's cosine, and where the message comes from (:class:`Vetoes`)."""
-
-    message: str
-    similarity: float
-    example: float
-    source: VetoSource
 
 
 class Router:
@@ -323,21 +194,11 @@ class Router:
         for row, name in enumerate(winners):
             capability = self.catalog.get(name)
             tap = capability.tap if capability is not None else None
-            candidates = self.vetoes.candidates(name, self._gates_for(name).abstain_corpus, tap)
-            if not candidates:
+            own_row = None if own_keys is None else (lambda text, mine=own_keys[row]: key(text) == mine)
+            nearest = self.vetoes.nearest(name, self._gates_for(name).abstain_corpus, tap, queries[row], own_row)
+            if nearest is None:
                 continue
-            nearest = []  # per source: (cosine, message, source) of its message nearest to this one
-            for texts, matrix, source in candidates:
-                sims = matrix @ queries[row]
-                if own_keys is not None and source == "tap":
-                    sims = np.where([key(t) == own_keys[row] for t in texts], -np.inf, sims)
-                best = int(sims.argmax())
-                evidence = float(sims[best])
-                if source == "tap" and evidence < 1 - VETO_TIE:  # TAP_VETO_VOTES of them must agree
-                    votes = TAP_VETO_VOTES
-                    evidence = float(np.partition(sims, -votes)[-votes]) if len(sims) >= votes else -np.inf
-                nearest.append((evidence, texts[best], source))
-            similarity, message, source = max(nearest)
+            similarity, message, source = nearest
             try:  # only the winner's own examples are compared, not the whole index
                 example = next((c for _, c in self.index.top_triggers(queries[row], name, 1)), -1.0)
             except UnknownCapability:  # the index moved on under a router about to be replaced

@@ -28,6 +28,7 @@ from capd.batching import MicroBatcher
 from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
 from capd.corrections import Learner
+from capd.embedder import CachedEmbedder
 from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
 from capd.errors import FAILED_START, ModelError, StateError, Stopping, UnknownCapability
 from capd.fits import RuleFits, fitting_threads
@@ -37,21 +38,15 @@ from capd.learned import KINDS, LearnedStore
 from capd.live_taps import LiveTaps
 from capd.metrics import Metrics
 from capd.models import manifest_for
-from capd.router import (
-    Decision,
-    Router,
-    Vetoes,
-    abstain_corpus,
-    example_catalog,
-    veto_text,
-)
+from capd.router import Decision, Router, example_catalog
 from capd.sessions import Plan, SessionRegistry
 from capd.settings import Settings, own_data_dir
 from capd.state import SessionStore, sessions_owner
 from capd.text import clean_message, printable
 from capd.tuned_models import InUse, is_tuned, prune, remember, remembered, set_aside, tuned_dir
 from capd.tuner import Tuner, Tuning, lineage_for
-from capd.vectorcache import CachedEmbedder, VectorCache
+from capd.vectorcache import VectorCache
+from capd.vetoes import Vetoes, abstain_corpus, veto_text
 
 log = logging.getLogger(__name__)
 

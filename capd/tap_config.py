@@ -26,7 +26,7 @@ TAP_VETOES = "vetoes.jsonl"  # messages none of the tap's capabilities may take 
 TAP_EXAMPLES = "examples.jsonl"  # messages routed as more triggers of the capability each expects (TapConfig.examples)
 GATE_KEYS = ("threshold", "margin", "top_k")
 TAP_CONFIG_KEYS = ("model", "gates", "rule")  # what capd reads at the top level of a tap's capd.toml
-SWITCH = "abstain_corpus"  # a gate table's on/off key: veto with the shipped abstain corpus (capd/router.py)
+SWITCH = "abstain_corpus"  # a gate table's on/off key: veto with the shipped abstain corpus (capd/vetoes.py)
 MAX_OFFSET = 20.0  # log-odds units: beyond this an offset alone would decide every message
 
 

@@ -38,10 +38,10 @@ from capd.errors import (
     UnknownSession,
 )
 from capd.learned import LearnedStore
-from capd.router import abstain_corpus
 from capd.service import Service
 from capd.settings import Settings
 from capd.vectorcache import VectorCache, text_hash
+from capd.vetoes import abstain_corpus
 from tests.conftest import GatedEncoder
 from tests.taputil import octomind_tap, write_capability
 

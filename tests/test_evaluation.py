@@ -21,9 +21,9 @@ from capd.errors import FixtureError
 from capd.evaluation import ScoreTable, apply_gates, breakdown, embed_fixtures, failing_rows, metrics
 from capd.fixtures import Fixture, load_fixtures
 from capd.floors import junit_xml, load_floors, row_line, rows_against
-from capd.router import abstain_corpus
 from capd.service import Service
 from capd.settings import Settings, default_taps
+from capd.vetoes import abstain_corpus
 from tests.conftest import SettingsFactory
 from tests.taputil import octomind_tap, write_capability
 
@@ -92,7 +92,7 @@ def test_skipped_rows_abstain() -> None:
 
 
 def test_a_vetoed_winner_abstains_in_metrics_and_in_calibration() -> None:
-    """A learned abstain (router.Vetoes) vetoing m6's winner: m6 no longer fires, at any gates."""
+    """A learned abstain (capd.vetoes.Vetoes) vetoing m6's winner: m6 no longer fires, at any gates."""
     table = _table()
     vetoed = replace(table, vetoed=np.array([False] * 5 + [True, False]))
     assert metrics(table, apply_gates(table, 0.4, 0.1))["null_fpr"] == 0.5

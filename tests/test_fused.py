@@ -28,17 +28,17 @@ from capd.fused import (
     RESCORE_EXAMPLES,
     ExampleTokens,
     FusedHead,
-    Lexicon,
     fit_head,
     in_class_similarity,
-    words,
 )
+from capd.lexicon import Lexicon, words
 from capd.models import load_manifests, manifest_for
 from capd.report_html import render
-from capd.router import Router, abstain_corpus, example_texts
+from capd.router import Router, example_texts
 from capd.service import Service
 from capd.settings import Settings, default_taps
 from capd.tap_config import load_tap_config
+from capd.vetoes import abstain_corpus
 from tests.conftest import SettingsFactory
 from tests.taputil import docker_and_postgres, write_capability
 

@@ -13,10 +13,11 @@ import pytest
 
 import capd.index as index_module
 from capd.catalog import Capability, Catalog, fingerprint
+from capd.embedder import CachedEmbedder
 from capd.encoder import HashEncoder, Vectors
 from capd.errors import UnknownCapability
 from capd.index import TriggerIndex, segment_topk_mean
-from capd.vectorcache import CachedEmbedder, VectorCache
+from capd.vectorcache import VectorCache
 
 
 def reference_scores(caps: Mapping[str, np.ndarray], names: Sequence[str], queries: np.ndarray, k: int) -> np.ndarray:

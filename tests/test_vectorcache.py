@@ -17,9 +17,10 @@ import pytest
 from filelock import FileLock
 
 from capd import vectorcache
+from capd.embedder import CachedEmbedder
 from capd.encoder import HashEncoder, Vectors
 from capd.errors import CacheError, ModelError
-from capd.vectorcache import CACHE_FILE, KEEP_SET_ASIDE, CachedEmbedder, VectorCache, text_hash
+from capd.vectorcache import CACHE_FILE, KEEP_SET_ASIDE, VectorCache, text_hash
 
 
 class CountingEncoder(HashEncoder):

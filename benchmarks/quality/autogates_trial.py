@@ -71,9 +71,9 @@ from capd import autogates, fused
 from capd.calibrate import FUSED_GRID, Grid, Point, best_point, split, sweep
 from capd.evaluation import ScoreTable, apply_gates, metrics, score_table
 from capd.fixtures import Fixture, load_fixtures
-from capd.router import abstain_corpus
 from capd.service import Service
 from capd.settings import Settings
+from capd.vetoes import abstain_corpus
 
 # (null rate, level cut, max wrong, coverage axis "on"/"off", unseen-task fire rate allowed: 1 is no limit)
 Candidate = tuple[float, float, float, str, float]

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.quality.run import EVALSETS, LIMITS, RESULTS, SETS, find_sets, gated, trial_bench, write_report
-from capd import fused
+from capd import fused, lexicon
 from capd.autogates import AUTO_FOLDS, Examples, _head, _score, examples_of, folds
 from capd.calibrate import best_point, grid_for, split
 from capd.encoder import TokenVectors
@@ -53,8 +53,8 @@ from capd.evaluation import ScoreTable, score_table
 from capd.fixtures import load_fixtures
 from capd.index import segment_topk_mean
 from capd.models import manifest_for, resolve
-from capd.router import abstain_corpus
 from capd.settings import Settings
+from capd.vetoes import abstain_corpus
 
 
 def model_directory() -> Path:
@@ -214,7 +214,7 @@ def main(argv: list[str]) -> None:
     layer_features = LayerFeatures(directory) if layer_sets else None
     found, skipped = find_sets([s for s in args.sets.split(",") if s], EVALSETS)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "skipped": skipped, "results": []}
-    stop_words = fused._STOP
+    stop_words = lexicon._STOP
     with trial_bench("ranking") as bench:
         for evalset in found:
             fixtures = load_fixtures(evalset.fixture_files)
@@ -231,9 +231,10 @@ def main(argv: list[str]) -> None:
             variants: list[tuple[str, fused.FusedHead, float | None]] = [("shipped", head, None)]
             variants += [(f"lexical {w:g}", dataclasses.replace(head, lexical_weight=w), oof[w]) for w in lexical]
             for count in commons:
-                fused._STOP = stop_words | frozenset(vocabulary[:count])
-                variants.append((f"common {count}", dataclasses.replace(head, lexicon=fused.Lexicon(documents)), None))
-                fused._STOP = stop_words
+                lexicon._STOP = stop_words | frozenset(vocabulary[:count])
+                common = dataclasses.replace(head, lexicon=lexicon.Lexicon(documents))
+                variants.append((f"common {count}", common, None))
+                lexicon._STOP = stop_words
             for layers in layer_sets:
                 assert layer_features is not None
 

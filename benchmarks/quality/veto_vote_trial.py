@@ -4,7 +4,7 @@ Run: ``.venv/bin/python -m benchmarks.quality.veto_vote_trial [--sets core-cal,h
 (seconds a set; untuned model).
 
 ``capd calibrate`` fits the gates with the fit part's null rows as the tap's vetoes, each row scored
-without its own copy (:class:`capd.router.Vetoes`): a winner is turned away when a *second* veto is
+without its own copy (:class:`capd.vetoes.Vetoes`): a winner is turned away when a *second* veto is
 nearer the message than the winner's nearest example (``TAP_VETO_VOTES``). If the fit nulls were
 nearer one another than new nulls are to them (a batch of look-alikes written together), the fit
 part would see more of its nulls vetoed than new traffic would, and calibration would spend that on
@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.quality.run import CORE_CAL, EVALSETS, find_sets, trial_bench, trial_parser, write_report
 from capd.calibrate import split
-from capd.router import TAP_VETO_VOTES
+from capd.vetoes import TAP_VETO_VOTES
 
 
 def second_nearest(queries: np.ndarray, vetoes: np.ndarray, same: bool) -> np.ndarray:

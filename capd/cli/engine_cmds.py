@@ -79,11 +79,12 @@ def index(config: Path | None, taps: tuple[Path, ...], data_dir: Path | None, mo
 
     Example: capd index --tap taps/core --rule fused --prune
     """
+    from capd.embedder import CachedEmbedder
     from capd.encoder import open_encoder
     from capd.index import TriggerIndex
     from capd.settings import own_data_dir
     from capd.taps import load_catalog
-    from capd.vectorcache import CachedEmbedder, VectorCache, text_hash
+    from capd.vectorcache import VectorCache, text_hash
 
     settings = build_settings(config, taps=taps, data_dir=data_dir, model=model, backend=backend, rule=rule)
     started = time.perf_counter()
