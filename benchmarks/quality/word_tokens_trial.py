@@ -1,6 +1,6 @@
 """Research harness: the second stage and the coverage gate on words instead of word pieces.
 
-Run: ``.venv/bin/python -m benchmarks.quality.word_tokens_trial --variant word|nopunct|both
+Run: ``.venv/bin/python -m benchmarks.quality.word_tokens_trial --variant word|nopunct|both|names
 [--sets core,healthcare,snips7] [--splits 5]`` (about 1 min a variant on those three sets; the
 ``splits_trial`` options apply, fused rule, untuned model, ONNX backend).
 
@@ -10,7 +10,9 @@ several times a common word in the coverage gate (the mean over the message's ro
 best cosine to the capability's example rows) and in the late-interaction score. Variants, applied
 to every text's token rows (messages and examples alike) by patching
 :meth:`capd.encoder.OnnxEncoder._embed`: ``word`` averages a word's pieces into one row, ``nopunct``
-drops rows that are punctuation or symbols only, ``both`` does both. Each is measured like
+drops rows that are punctuation or symbols only, ``both`` does both, ``names`` leaves out the rows of
+a word split into ``NAME_PIECES`` (3) pieces or more (a product or library name the model does not
+know, which no capability's examples speak of). Each is measured like
 ``splits_trial`` (plain ``capd calibrate`` on five splits), which it runs after the patch; compare
 with a plain ``splits_trial`` run on the same sets. Results: ``benchmarks/quality/README.md``, *What
 failed*.
@@ -29,7 +31,8 @@ import numpy as np
 from capd import encoder as encoders
 from capd.encoder import Embedded, TokenVectors
 
-VARIANTS = ("word", "nopunct", "both")
+VARIANTS = ("word", "nopunct", "both", "names")
+NAME_PIECES = 3  # names: a word split into this many pieces or more is taken for a name
 
 
 def _symbol(piece: str) -> bool:
@@ -40,9 +43,20 @@ def _symbol(piece: str) -> bool:
 def word_rows(states: np.ndarray, encoding: Any, variant: str) -> np.ndarray | None:
     """One text's token rows under ``variant``; None when nothing is left (the shipped rows are kept)."""
     groups: dict[int, list[int]] = {}
+    if variant == "names":
+        pieces: dict[int, int] = {}
+        for word in encoding.word_ids:
+            if word is not None:
+                pieces[word] = pieces.get(word, 0) + 1
     for j, (word, real) in enumerate(zip(encoding.word_ids, encoding.attention_mask, strict=True)):
-        if not real or word is None or (variant != "word" and _symbol(encoding.tokens[j])):
-            continue  # padding and [CLS] / [SEP] (no word), and with nopunct / both symbols
+        if not real or word is None:
+            continue  # padding and [CLS] / [SEP] (no word)
+        if variant == "names":
+            if pieces[word] < NAME_PIECES:  # a name's pieces are left out; every other piece is a row
+                groups[j] = [j]
+            continue
+        if variant != "word" and _symbol(encoding.tokens[j]):
+            continue  # with nopunct / both, symbols
         groups.setdefault(word if variant != "nopunct" else j, []).append(j)
     if not groups:
         return None
