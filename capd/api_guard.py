@@ -35,7 +35,8 @@ from capd.api_http import (
 from capd.errors import CapdError
 from capd.origin import LocalAddresses
 from capd.schemas import RouteBody
-from capd.service import ClientGone, Service
+from capd.service import Service
+from capd.session_routing import ClientGone
 from capd.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class Guard:
 
 async def route_turn(service: Service, body: RouteBody, gone: threading.Event | None = None) -> Response:
     """``POST /v1/route``. async: the turn waits on the micro-batcher's future, not in a threadpool
-    thread (:meth:`~capd.service.Service.aroute` says where the decision runs)."""
+    thread (:meth:`~capd.session_routing.SessionRouting.aroute` says where the decision runs)."""
     check_size(body.message, "message")
     check_started(service)
     result = await service.aroute(body.message, body.session, gone)

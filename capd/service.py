@@ -7,14 +7,13 @@ sees half a catalog. Slow work (embedding new triggers) happens before the swap,
 the lock; the swap itself only moves cached vectors into the index.
 
 What each publish is fitted with (the fused head, auto gates, the gates in force) is
-:mod:`capd.fits`; when the model is tuned to the taps is :mod:`capd.tuner`. The service keeps
-what ties them together: the lock, the snapshot, the encoder in use (and the switch to a
-tuned one), learning from corrections, routing and health.
+:mod:`capd.fits`; when the model is tuned to the taps is :mod:`capd.tuner`; how a route meets its
+session is :mod:`capd.session_routing`. The service keeps what ties them together: the lock, the
+snapshot, the encoder in use (and the switch to a tuned one), learning from corrections and health.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import threading
@@ -29,20 +28,21 @@ from capd.calibrate import Point
 from capd.catalog import Capability, Catalog, Problem
 from capd.corrections import Learner
 from capd.embedder import CachedEmbedder
-from capd.encoder import Encoder, TokenVectors, Vectors, open_encoder
-from capd.errors import FAILED_START, ModelError, StateError, Stopping, UnknownCapability
+from capd.encoder import Encoder, Vectors, open_encoder
+from capd.errors import ModelError, StateError, Stopping, UnknownCapability
 from capd.fits import RuleFits, fitting_threads
 from capd.fused import TOKEN_BUDGET
-from capd.index import SMALL_ROWS, SyncReport, TriggerIndex
+from capd.index import SyncReport, TriggerIndex
 from capd.learned import KINDS, LearnedStore
 from capd.live_taps import LiveTaps
 from capd.metrics import Metrics
 from capd.models import manifest_for
-from capd.router import Decision, Router, example_catalog
-from capd.sessions import Plan, SessionRegistry
+from capd.router import Router, example_catalog
+from capd.session_routing import RouteResult, SessionRouting
+from capd.sessions import SessionRegistry
 from capd.settings import Settings, own_data_dir
 from capd.state import SessionStore, sessions_owner
-from capd.text import clean_message, printable
+from capd.text import printable
 from capd.tuned_models import InUse, is_tuned, prune, remember, remembered, set_aside, tuned_dir
 from capd.tuner import Tuner, Tuning, lineage_for
 from capd.vectorcache import VectorCache
@@ -56,7 +56,6 @@ def _shown(problems: Iterable[Problem]) -> list[dict[str, Any]]:
     return [{"file": printable(p.file), "line": p.line, "reason": printable(p.reason)} for p in problems]
 
 
-OFFLOAD_TRIGGERS = SMALL_ROWS  # above this many examples, aroute scores in a worker thread
 RETIRE_DELAY = 30.0  # seconds an encoder replaced by a tuned one keeps serving requests already holding it
 
 
@@ -71,16 +70,6 @@ class Counters:
     embedded: int = 0
     cached: int = 0
     reloads: int = 0
-
-
-@dataclass(frozen=True)
-class RouteResult:
-    decision: Decision
-    plan: Plan | None = None
-    latency_ms: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.decision.as_dict(), "plan": self.plan.as_dict() if self.plan else None}
 
 
 def learned_in_effect(catalog: Catalog, rule: str, store: LearnedStore | None
@@ -102,11 +91,6 @@ def cached_texts(catalog: Catalog, rule: str, store: LearnedStore | None) -> set
     texts.update(veto_text(message) for config in catalog.tap_configs.values() for message in config.vetoes)
     texts.update(abstain_corpus())
     return texts
-
-
-class ClientGone(Exception):
-    """The client of a route disconnected before its session changed: the route is dropped, the
-    session left as it was (a plan committed but never received is a server the agent never started)."""
 
 
 class Service:
@@ -149,6 +133,7 @@ class Service:
         self._encoder_key: str | None = None
         self._sessions_owner: BinaryIO | None = None  # see sessions_owner()
         self._closed = False
+        self.routing = SessionRouting(self)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -557,6 +542,11 @@ class Service:
         return f"{manifest_name}+tuned" if self._encoder_key is not None else manifest_name
 
     @property
+    def snapshot(self) -> Snapshot | None:
+        """The catalog and router served now (None until the first publish)."""
+        return self._snapshot
+
+    @property
     def router(self) -> Router:
         snapshot = self._snapshot
         if snapshot is None:
@@ -566,101 +556,13 @@ class Service:
     # -- routing ---------------------------------------------------------------------------
 
     def route(self, message: str, session: str | None = None) -> RouteResult:
-        """Route one message, blocking while the model encodes it (CLI, tests). See :meth:`aroute`."""
-        started = time.perf_counter()
-        prepared = self._prepare(message)
-        if isinstance(prepared, RouteResult):
-            return self._routed(prepared, session, started)
-        snapshot, text = prepared
-        if text is None:
-            return self._routed(self._too_short(snapshot, session), session, started)
-        vector, tokens = snapshot.router.embed(text)
-        return self._routed(self._decide(snapshot, text, vector, session, tokens), session, started)
+        """Route one message, blocking while the model encodes it (CLI, tests): :class:`SessionRouting`."""
+        return self.routing.route(message, session)
 
     async def aroute(self, message: str, session: str | None = None,
                      gone: threading.Event | None = None) -> RouteResult:
-        """:meth:`route` for the event loop (``POST /v1/route``): the same result, metrics and
-        session semantics, but it awaits the micro-batcher instead of holding a thread meanwhile.
-        ``gone`` is set when the caller stopped waiting (the client disconnected): the session is
-        then left as it was (:class:`ClientGone`), since the plan could never reach the agent."""
-        started = time.perf_counter()
-        prepared = self._prepare(message)
-        if isinstance(prepared, RouteResult):
-            return self._routed(prepared, session, started)
-        snapshot, text = prepared
-        if text is None:  # with a session, its plan is a store write: off the event loop, as below
-            result = (self._too_short(snapshot, session) if session is None
-                      else await asyncio.to_thread(self._too_short, snapshot, session))
-            return self._routed(result, session, started)
-        vector, tokens = await snapshot.router.aembed(text)
-        if session is not None or snapshot.router.index.trigger_count > OFFLOAD_TRIGGERS:
-            # Off the event loop: with a session, the decision is committed to the session store
-            # (a disk write, which waits when another process holds the file), and scoring a large
-            # index takes milliseconds of numpy (GIL released), which in a thread overlaps other
-            # requests' encoding.
-            result = await asyncio.to_thread(self._decide, snapshot, text, vector, session, tokens, gone)
-        else:
-            result = self._decide(snapshot, text, vector, session, tokens, gone)
-        return self._routed(result, session, started)
-
-    def _prepare(self, message: str) -> tuple[Snapshot, str | None] | RouteResult:
-        """The snapshot and the cleaned text to route (None: too short to route), or the result when
-        capd cannot route yet."""
-        snapshot = self._snapshot
-        if snapshot is None:
-            if self.startup_error is not None:  # never ready: say why rather than "warming up" forever
-                return RouteResult(Decision("skipped", f"{FAILED_START} {self.startup_error}"))
-            return RouteResult(Decision("skipped", "warming up: the model and index are loading"))
-        text, long_enough = clean_message(message, snapshot.router.min_chars)
-        return snapshot, text if long_enough else None
-
-    def _too_short(self, snapshot: Snapshot, session: str | None) -> RouteResult:
-        """A message too short to route: skipped, with the session's plan (tap changes since)."""
-        min_chars = snapshot.router.min_chars
-        return RouteResult(Decision("skipped", f"too short: fewer than {min_chars} characters after removing tags"),
-                           self._session_plan(session))
-
-    def _decide(self, snapshot: Snapshot, text: str, vector: Vectors, session: str | None,
-                tokens: TokenVectors | None = None, gone: threading.Event | None = None) -> RouteResult:
-        router = snapshot.router
-        if session is None or self.registry is None:
-            return RouteResult(router.decide(vector, (), text, tokens))
-        with self.registry.locked(session):
-            if gone is not None and gone.is_set():  # last moment before the session changes
-                raise ClientGone(session)
-            # pinned capabilities are active in every session, a new one too (its first plan starts them)
-            pinned = tuple(name for name in self.registry.pinned if name in snapshot.catalog)
-            decision = router.decide(vector, (*self.registry.active_names(session), *pinned), text, tokens)
-            plan = None
-            if decision.decision in ("activate", "already_active") and decision.capability is not None:
-                # already active: routed to again, it is about to be used, so its last_used is refreshed
-                try:
-                    plan = self.registry.activate(session, decision.capability, "auto")
-                except UnknownCapability:  # a reload removed it between this decision and now
-                    decision = Decision("abstain", f"{decision.capability} was removed by a tap reload while this "
-                                        "message was routed", decision.capability, decision.score, decision.margin,
-                                        decision.candidates)
-            if plan is None:
-                plan = self.registry.reconcile(session)
-            self.learner.turns.routed(session, text, decision.decision, decision.capability)
-        return RouteResult(decision, plan)
-
-    def _routed(self, result: RouteResult, session: str | None, started: float) -> RouteResult:
-        """Record a finished route (latency, decision count, a debug line) and stamp its latency."""
-        elapsed = time.perf_counter() - started
-        self.metrics.observe_route(elapsed)
-        d = result.decision
-        self.metrics.inc("capd_decisions_total", "Routing decisions by kind.", decision=d.decision)
-        if log.isEnabledFor(logging.DEBUG):  # a line per agent turn is debug detail, not info
-            log.debug("route session=%s decision=%s capability=%s score=%s margin=%s latency_ms=%.2f", session,
-                      d.decision, d.capability, None if d.score is None else round(d.score, 4),
-                      None if d.margin is None else round(d.margin, 4), elapsed * 1000)
-        return RouteResult(d, result.plan, elapsed * 1000)
-
-    def _session_plan(self, session: str | None) -> Plan | None:
-        if session is None or self.registry is None:
-            return None
-        return self.registry.reconcile(session)
+        """:meth:`route` for the event loop (``POST /v1/route``): :meth:`SessionRouting.aroute`."""
+        return await self.routing.aroute(message, session, gone)
 
     def discover(self, intent: str, limit: int = 5) -> list[tuple[str, float]]:
         return self.router.discover(intent, limit)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from capd import service as service_module
+from capd import session_routing
 from capd.api import create_app
 from capd.service import Service
 from capd.settings import Settings
@@ -40,7 +40,7 @@ def _service(settings_factory: SettingsFactory, tmp_path: Path, name: str) -> Se
 def test_aroute_matches_route(settings_factory: SettingsFactory, tmp_path: Path, offload: bool,
                               monkeypatch: pytest.MonkeyPatch) -> None:
     if offload:  # what a large index does: score in a worker thread
-        monkeypatch.setattr(service_module, "OFFLOAD_TRIGGERS", 0)
+        monkeypatch.setattr(session_routing, "OFFLOAD_TRIGGERS", 0)
     blocking, awaiting = _service(settings_factory, tmp_path, "a"), _service(settings_factory, tmp_path, "b")
     try:
         for session in ("s1", None):
