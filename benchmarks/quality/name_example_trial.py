@@ -15,9 +15,9 @@ and the triggers stay). Compare with a plain ``splits_trial`` run on the same se
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import capd.router
@@ -40,22 +40,21 @@ def without_name(shipped: ExampleTexts, variant: str) -> ExampleTexts:
     return texts
 
 
-def main(argv: list[str]) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--variant", choices=VARIANTS, required=True)
-    args, rest = parser.parse_known_args(argv)  # the rest are splits_trial's options
-    if "--sets" not in rest:
-        rest += ["--sets", "core,healthcare,snips7"]
-    if "--out" not in rest:
-        rest += ["--out", f"benchmarks/results/name_example_trial_{args.variant}.json"]
-    from benchmarks.quality import splits_trial
-
+@contextmanager
+def names_left_out(variant: str) -> Iterator[None]:
+    """The fused examples without the names ``variant`` leaves out, within the block."""
     shipped = capd.router.example_texts
-    capd.router.example_texts = without_name(shipped, args.variant)
+    capd.router.example_texts = without_name(shipped, variant)
     try:
-        return splits_trial.main(rest)
+        yield
     finally:
         capd.router.example_texts = shipped
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    from benchmarks.quality import splits_trial
+
+    return splits_trial.patched_main(argv, __doc__ or "", "name_example_trial", VARIANTS, names_left_out)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ other splits".
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -207,6 +208,22 @@ def main(argv: list[str]) -> dict[str, Any]:
         for evalset in found:
             report["results"].append(run_set(bench, evalset, args.splits, variant))
     return write_report(args.out, report)
+
+
+def patched_main(argv: list[str], doc: str, trial: str, variants: Sequence[str],
+                 patched: Callable[[str], AbstractContextManager[object]]) -> dict[str, Any]:
+    """A trial that is this one with ``patched(variant)`` in force: it takes ``--variant`` (one of
+    ``variants``) and passes the rest on, with taps/core, healthcare and snips7 as its sets and
+    ``benchmarks/results/<trial>_<variant>.json`` as its output unless they are given."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--variant", choices=variants, required=True)
+    args, rest = parser.parse_known_args(argv)  # the rest are this trial's options
+    if "--sets" not in rest:
+        rest += ["--sets", "core,healthcare,snips7"]
+    if "--out" not in rest:
+        rest += ["--out", f"benchmarks/results/{trial}_{args.variant}.json"]
+    with patched(args.variant):
+        return main(rest)
 
 
 if __name__ == "__main__":

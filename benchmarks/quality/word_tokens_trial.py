@@ -20,10 +20,10 @@ failed*.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -89,21 +89,20 @@ def patched_embed(variant: str) -> Any:
 shipped_embed = encoders.OnnxEncoder._embed
 
 
-def main(argv: list[str]) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--variant", choices=VARIANTS, required=True)
-    args, rest = parser.parse_known_args(argv)  # the rest are splits_trial's options
-    if "--sets" not in rest:
-        rest += ["--sets", "core,healthcare,snips7"]
-    if "--out" not in rest:
-        rest += ["--out", f"benchmarks/results/word_tokens_trial_{args.variant}.json"]
-    from benchmarks.quality import splits_trial
-
-    encoders.OnnxEncoder._embed = patched_embed(args.variant)  # type: ignore[method-assign]
+@contextmanager
+def word_rows_in_force(variant: str) -> Iterator[None]:
+    """Every text's token rows under ``variant`` within the block."""
+    encoders.OnnxEncoder._embed = patched_embed(variant)  # type: ignore[method-assign]
     try:
-        return splits_trial.main(rest)
+        yield
     finally:
         encoders.OnnxEncoder._embed = shipped_embed  # type: ignore[method-assign]
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    from benchmarks.quality import splits_trial
+
+    return splits_trial.patched_main(argv, __doc__ or "", "word_tokens_trial", VARIANTS, word_rows_in_force)
 
 
 if __name__ == "__main__":
