@@ -111,35 +111,35 @@ class SessionRouting:
 
     def _decide(self, snapshot: Snapshot, text: str, vector: Vectors, session: str | None,
                 tokens: TokenVectors | None = None, gone: threading.Event | None = None) -> RouteResult:
-        router = snapshot.router
-        if session is None or self._service.registry is None:
+        router, registry = snapshot.router, self._service.registry
+        if session is None or registry is None:
             return RouteResult(router.decide(vector, (), text, tokens))
-        with self._service.registry.locked(session):
+        with registry.locked(session):
             if gone is not None and gone.is_set():  # last moment before the session changes
                 raise ClientGone(session)
             # pinned capabilities are active in every session, a new one too (its first plan starts them)
-            pinned = tuple(name for name in self._service.registry.pinned if name in snapshot.catalog)
-            decision = router.decide(vector, (*self._service.registry.active_names(session), *pinned), text, tokens)
+            pinned = tuple(name for name in registry.pinned if name in snapshot.catalog)
+            decision = router.decide(vector, (*registry.active_names(session), *pinned), text, tokens)
             plan = None
             if decision.decision in ("activate", "already_active") and decision.capability is not None:
                 # already active: routed to again, it is about to be used, so its last_used is refreshed
                 try:
-                    plan = self._service.registry.activate(session, decision.capability, "auto")
+                    plan = registry.activate(session, decision.capability, "auto")
                 except UnknownCapability:  # a reload removed it between this decision and now
                     decision = Decision("abstain", f"{decision.capability} was removed by a tap reload while this "
                                         "message was routed", decision.capability, decision.score, decision.margin,
                                         decision.candidates)
             if plan is None:
-                plan = self._service.registry.reconcile(session)
+                plan = registry.reconcile(session)
             self._service.learner.turns.routed(session, text, decision.decision, decision.capability)
         return RouteResult(decision, plan)
 
     def _routed(self, result: RouteResult, session: str | None, started: float) -> RouteResult:
         """Record a finished route (latency, decision count, a debug line) and stamp its latency."""
         elapsed = time.perf_counter() - started
-        self._service.metrics.observe_route(elapsed)
-        d = result.decision
-        self._service.metrics.inc("capd_decisions_total", "Routing decisions by kind.", decision=d.decision)
+        metrics, d = self._service.metrics, result.decision
+        metrics.observe_route(elapsed)
+        metrics.inc("capd_decisions_total", "Routing decisions by kind.", decision=d.decision)
         if log.isEnabledFor(logging.DEBUG):  # a line per agent turn is debug detail, not info
             log.debug("route session=%s decision=%s capability=%s score=%s margin=%s latency_ms=%.2f", session,
                       d.decision, d.capability, None if d.score is None else round(d.score, 4),
@@ -147,6 +147,5 @@ class SessionRouting:
         return RouteResult(d, result.plan, elapsed * 1000)
 
     def _session_plan(self, session: str | None) -> Plan | None:
-        if session is None or self._service.registry is None:
-            return None
-        return self._service.registry.reconcile(session)
+        registry = self._service.registry
+        return None if session is None or registry is None else registry.reconcile(session)
