@@ -32,6 +32,9 @@ VETO_TIE = 1e-5
 # *The tap's vetoes*): with the nearest one alone, taps/core calibrated on its calibration set at its
 # floors' limits let 6 of its 91 fixture nulls through instead of 3; with two, 3, and hwu64 gains more.
 TAP_VETO_VOTES = 2
+# The abstain corpus's vote count, the same rule: one (its nearest message) unless measured otherwise
+# (`python -m benchmarks.quality.corpus_trial --corpus-votes N`).
+CORPUS_VETO_VOTES = 1
 
 
 VetoSource = Literal["learned", "corpus", "tap"]
@@ -136,8 +139,8 @@ class Vetoes:
                 sims = np.where([own(t) for t in texts], -np.inf, sims)
             best = int(sims.argmax())
             similarity = float(sims[best])
-            if source == "tap" and similarity < 1 - VETO_TIE:  # TAP_VETO_VOTES of them must agree
-                votes = TAP_VETO_VOTES
+            votes = {"tap": TAP_VETO_VOTES, "corpus": CORPUS_VETO_VOTES}.get(source, 1)
+            if votes > 1 and similarity < 1 - VETO_TIE:  # that many of them must agree
                 similarity = float(np.partition(sims, -votes)[-votes]) if len(sims) >= votes else -np.inf
             evidence.append((similarity, texts[best], source))
         return max(evidence) if evidence else None

@@ -970,3 +970,23 @@ def test_capd_test_names_a_tap_path_that_is_not_there(tmp_path: Path) -> None:
                          (a_file, "is a file, not a tap directory")):
         result = CliRunner().invoke(main, ["test", str(path), *_hash(tmp_path)])
         assert result.exit_code == 1 and f"{path}: {reason}" in result.output, result.output
+
+
+def test_corpus_trial_adds_messages_and_votes_and_puts_the_corpus_back() -> None:
+    """``corpus_trial`` measures a larger corpus and a corpus veto that takes its second-nearest
+    message (benchmarks/quality/README.md); outside its block the shipped corpus and one vote hold."""
+    import capd.vetoes
+    from benchmarks.quality.corpus_trial import corpus_in_force
+    from capd.vetoes import Vetoes
+
+    shipped = abstain_corpus()
+    rows = np.eye(3, dtype=np.float32)
+    vetoes = Vetoes(corpus=("a", "b", "c"), corpus_vectors=rows)
+    query = np.array([0.8, 0.6, 0.0], dtype=np.float32)  # nearest "a" (0.8), then "b" (0.6)
+    assert vetoes.nearest("cap", True, None, query) == (pytest.approx(0.8), "a", "corpus")
+    with corpus_in_force(["well, that was a long meeting"], 2):
+        assert abstain_corpus() == (*shipped, "well, that was a long meeting")
+        assert vetoes.nearest("cap", True, None, query) == (pytest.approx(0.6), "a", "corpus")
+        assert vetoes.nearest("cap", False, None, query) is None  # the tap's gates keep the corpus off
+    assert abstain_corpus() == shipped and capd.vetoes.CORPUS_VETO_VOTES == 1
+    assert vetoes.nearest("cap", True, None, query)[0] == pytest.approx(0.8)

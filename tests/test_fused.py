@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchmarks.quality.corpus_trial import messages
 from capd import fused as fused_module
 from capd.calibrate import FUSED_GRID, calibrate, split
 from capd.calibrate_write import write_gates
@@ -40,9 +41,10 @@ from capd.settings import Settings, default_taps
 from capd.tap_config import load_tap_config
 from capd.vetoes import abstain_corpus
 from tests.conftest import SettingsFactory
-from tests.taputil import docker_and_postgres, write_capability
+from tests.taputil import EVALSETS, docker_and_postgres, write_capability
 
 CORE = Path(__file__).resolve().parents[1] / "taps" / "core"
+CANDIDATES = CORE.parents[1] / "benchmarks" / "quality" / "abstain_corpus_candidates.txt"
 
 
 def test_words_drop_filler_and_strip_suffixes() -> None:
@@ -692,13 +694,24 @@ def test_the_abstain_corpus_vetoes_where_a_taps_gates_turn_it_on(model_settings:
         assert service.router.route(thanks).decision == "activate"  # a setting overrides the tap's choice
 
 
-def test_the_abstain_corpus_holds_no_near_copy_of_a_shipped_fixture(real_encoder: Encoder,
-                                                                    core_fixtures: list[Any]) -> None:
-    """Calibration and `make quality` score taps/core with the corpus on: a corpus message close to
-    one of its fixture messages would be a memorised answer, not evidence."""
-    corpus = abstain_corpus()
-    similarity = real_encoder.embed(list(corpus)) @ real_encoder.embed([f.message for f in core_fixtures]).T
-    assert len(corpus) >= 150 and float(similarity.max()) < 0.7
+def test_the_abstain_corpus_holds_no_near_copy_of_a_labelled_row(real_encoder: Encoder,
+                                                                 core_fixtures: list[Any]) -> None:
+    """Calibration and `make quality` score taps/core and the shared sets with the corpus on: a corpus
+    message close to one of the messages they hold out would be a memorised answer, not evidence.
+    So none is within cosine 0.7 of a taps/core fixture row or of a shared set's null row (where
+    ../shared/evalsets is present); nor are the candidates ``corpus_trial`` measured. (taps/core's
+    calibration rows are only ever fitted on.)"""
+    shipped = abstain_corpus()
+    corpus = shipped + tuple(messages(CANDIDATES))
+    labelled = [f.message for f in core_fixtures]
+    if EVALSETS.is_dir():
+        shared = load_fixtures(sorted(EVALSETS.glob("*/*.jsonl")))
+        labelled += sorted({f.message for f in shared if not f.expect})
+        assert len(labelled) > 600  # the shared sets' nulls were read
+    similarity = real_encoder.embed(list(corpus)) @ real_encoder.embed(labelled).T
+    nearest = np.unravel_index(int(similarity.argmax()), similarity.shape)
+    assert len(shipped) >= 150 and len(corpus) - len(shipped) >= 250
+    assert float(similarity.max()) < 0.7, (corpus[nearest[0]], labelled[nearest[1]])
 
 
 def test_manifest_carries_fused_gates(model_settings: Settings) -> None:
