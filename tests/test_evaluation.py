@@ -990,3 +990,22 @@ def test_corpus_trial_adds_messages_and_votes_and_puts_the_corpus_back() -> None
         assert vetoes.nearest("cap", False, None, query) is None  # the tap's gates keep the corpus off
     assert abstain_corpus() == shipped and capd.vetoes.CORPUS_VETO_VOTES == 1
     assert vetoes.nearest("cap", True, None, query)[0] == pytest.approx(0.8)
+
+
+def test_coverage_trial_measures_each_capability_by_its_own_examples() -> None:
+    """``coverage_trial``'s own coverage: an example covered by a copy of itself covers 1.0, by an
+    orthogonal one 0, one alone has nothing to be covered by; the relative statistic moves each
+    column by its own coverage less the mean of them."""
+    from benchmarks.quality.coverage_trial import own_coverage, relative
+    from capd.fused import ExampleTokens
+
+    unit = np.eye(4, dtype=np.float32)
+    a, b, c = unit[:1], unit[1:2], unit[2:3]
+    tokens = ExampleTokens.build(["a", "a again", "b", "c", "d"], np.array([0, 0, 1, 1, 2]), [a, a, b, c, unit[3:]], 3)
+    own = own_coverage(tokens)
+    assert own[:2].tolist() == pytest.approx([1.0, 0.0]) and np.isnan(own[2])
+    message = np.concatenate([a, b])
+    shipped = ExampleTokens.late_interaction(tokens, message, [0, 1, 2])[1]
+    moved = relative(ExampleTokens.late_interaction)(tokens, message, [0, 1, 2])[1]
+    assert shipped.tolist() == pytest.approx([0.5, 0.5, 0.0])
+    assert moved.tolist() == pytest.approx([0.0, 1.0, 0.0])  # shifted by 1.0 - 0.5 and 0.0 - 0.5; the lone one kept
