@@ -1009,3 +1009,17 @@ def test_coverage_trial_measures_each_capability_by_its_own_examples() -> None:
     moved = relative(ExampleTokens.late_interaction)(tokens, message, [0, 1, 2])[1]
     assert shipped.tolist() == pytest.approx([0.5, 0.5, 0.0])
     assert moved.tolist() == pytest.approx([0.0, 1.0, 0.0])  # shifted by 1.0 - 0.5 and 0.0 - 0.5; the lone one kept
+
+
+def test_coverage_trial_chooses_the_variant_only_where_the_fit_part_gains() -> None:
+    from benchmarks.quality.coverage_trial import chosen
+
+    def split(fit: float, held: float, met: bool) -> dict[str, object]:
+        return {"recommended": {"fired_right": fit}, "held_out": {"fired_right": held, "null_fpr": 0.0}, "met": met}
+
+    shipped = {"results": [{"set": "s", "splits": [split(0.8, 0.7, False), split(0.9, 0.9, True),
+                                                   split(0.7, 0.8, True)]}]}
+    variant = {"results": [{"set": "s", "splits": [split(0.85, 0.9, True), split(0.9, 0.5, False),
+                                                   split(0.6, 0.1, False)]}]}
+    assert chosen(shipped, variant)["s"] == {"splits": 3, "met": 3, "variant_chosen": 1,  # a tie keeps the shipped
+                                             "fired_right_mean": 0.867, "null_fpr_mean": 0.0}

@@ -17,13 +17,21 @@ keeps the gate grid's scale); a capability with one example keeps its coverage a
 by patching :meth:`capd.fused.ExampleTokens.late_interaction` for the services ``splits_trial``
 builds, so calibration sweeps the gate on the new statistic. Compare with a plain ``splits_trial``
 run on the same sets and splits.
+
+``--chosen SHIPPED.json VARIANT.json`` reads such a pair of runs and prints, per set, what
+calibration would give if it chose between the two statistics on each split by the fit part (the
+variant only where its fit fired_right is higher; a tie keeps the shipped one), as it chooses the
+abstain corpus: splits on which the goal is met, mean held-out fired_right and null_fpr.
 """
 
 from __future__ import annotations
 
+import json
+import statistics
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,9 +84,36 @@ def coverage_variant(variant: str) -> Iterator[None]:
         ExampleTokens.late_interaction = shipped  # type: ignore[method-assign]
 
 
+def chosen(shipped: dict[str, Any], variant: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per set of two ``splits_trial`` reports on the same splits: the held-out figures when each
+    split takes the variant only where its fit fired_right is higher."""
+    out = {}
+    for result in shipped["results"]:
+        other = next(r for r in variant["results"] if r["set"] == result["set"])
+        picked = [b if b["recommended"]["fired_right"] > a["recommended"]["fired_right"] + 1e-9 else a
+                  for a, b in zip(result["splits"], other["splits"], strict=True)]
+        nulls = [s["held_out"]["null_fpr"] for s in picked if s["held_out"].get("null_fpr") is not None]
+        out[result["set"]] = {
+            "splits": len(picked), "met": sum(bool(s["met"]) for s in picked),
+            "variant_chosen": sum(s is b for s, b in zip(picked, other["splits"], strict=True)),
+            "fired_right_mean": round(statistics.mean(s["held_out"]["fired_right"] for s in picked), 3),
+            "null_fpr_mean": round(statistics.mean(nulls), 3) if nulls else None}
+    return out
+
+
 def main(argv: list[str]) -> dict[str, Any]:
     from benchmarks.quality import splits_trial
 
+    if argv[:1] == ["--chosen"]:
+        if len(argv) != 3:
+            raise SystemExit("usage: coverage_trial --chosen SHIPPED.json VARIANT.json")
+        reports = [json.loads(Path(path).read_text(encoding="utf-8")) for path in argv[1:]]
+        result = chosen(*reports)
+        for name, row in result.items():
+            print(f"{name:20s} fit-chosen: goal met on {row['met']} of {row['splits']} splits, variant chosen "
+                  f"on {row['variant_chosen']}; held-out fired_right {row['fired_right_mean']}, "
+                  f"null_fpr {row['null_fpr_mean']}")
+        return result
     return splits_trial.patched_main(argv, __doc__ or "", "coverage_trial", VARIANTS, coverage_variant)
 
 
