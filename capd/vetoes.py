@@ -157,7 +157,12 @@ ABSTAIN_CORPUS = Path(__file__).with_name("abstain_corpus.txt")
 def abstain_corpus() -> tuple[str, ...]:
     """The shipped abstain corpus: chitchat, thanks, vague asks, feedback ("still broken"),
     pasted logs and errors, off-topic requests, in our own words; one message per line."""
-    lines = ABSTAIN_CORPUS.read_text(encoding="utf-8").splitlines()
+    return corpus_messages(ABSTAIN_CORPUS)
+
+
+def corpus_messages(path: Path) -> tuple[str, ...]:
+    """A corpus file's messages: one a line, blank lines and ``#`` comment lines skipped."""
+    lines = path.read_text(encoding="utf-8").splitlines()
     return tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
 
 

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.quality.corpus_trial import messages
 from capd import fused as fused_module
 from capd.calibrate import FUSED_GRID, calibrate, split
 from capd.calibrate_write import write_gates
@@ -39,7 +38,7 @@ from capd.router import Router, example_texts
 from capd.service import Service
 from capd.settings import Settings, default_taps
 from capd.tap_config import load_tap_config
-from capd.vetoes import abstain_corpus
+from capd.vetoes import abstain_corpus, corpus_messages
 from tests.conftest import SettingsFactory
 from tests.taputil import EVALSETS, docker_and_postgres, write_capability
 
@@ -702,7 +701,7 @@ def test_the_abstain_corpus_holds_no_near_copy_of_a_labelled_row(real_encoder: E
     ../shared/evalsets is present); nor are the candidates ``corpus_trial`` measured. (taps/core's
     calibration rows are only ever fitted on.)"""
     shipped = abstain_corpus()
-    corpus = shipped + tuple(messages(CANDIDATES))
+    corpus = shipped + corpus_messages(CANDIDATES)
     labelled = [f.message for f in core_fixtures]
     if EVALSETS.is_dir():
         shared = load_fixtures(sorted(EVALSETS.glob("*/*.jsonl")))

@@ -32,12 +32,7 @@ from typing import Any
 import numpy as np
 
 import capd.vetoes
-
-
-def messages(path: Path) -> list[str]:
-    """A corpus file's messages: one a line, blank lines and ``#`` comments skipped."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+from capd.vetoes import corpus_messages
 
 
 @contextmanager
@@ -47,7 +42,7 @@ def corpus_in_force(added: list[str], votes: int) -> Iterator[None]:
     shipped, shipped_votes = capd.vetoes.ABSTAIN_CORPUS, capd.vetoes.CORPUS_VETO_VOTES
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "abstain_corpus.txt"
-        path.write_text("\n".join(messages(shipped) + added) + "\n", encoding="utf-8")
+        path.write_text("\n".join([*corpus_messages(shipped), *added]) + "\n", encoding="utf-8")
         capd.vetoes.ABSTAIN_CORPUS, capd.vetoes.CORPUS_VETO_VOTES = path, votes
         try:
             yield
@@ -67,7 +62,7 @@ def nearest(added: list[str]) -> None:
     encoder = open_encoder(Settings(data_dir=CACHE, taps=()))
     rows = encoder.embed([f.message for f in fixtures])
     positive = np.array([f.positive for f in fixtures])
-    shipped = messages(capd.vetoes.ABSTAIN_CORPUS)
+    shipped = list(corpus_messages(capd.vetoes.ABSTAIN_CORPUS))
     for corpus in (shipped, shipped + added):
         ranked = np.sort(rows @ encoder.embed(corpus).T, axis=1)
         for kind, mask in (("positives", positive), ("nulls", ~positive)):
@@ -85,7 +80,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--corpus-votes", type=int, default=capd.vetoes.CORPUS_VETO_VOTES,
                         help="corpus messages that must be nearer than the winner's nearest example")
     args, rest = parser.parse_known_args(argv)  # the rest are splits_trial's options
-    added = messages(args.add)[:args.add_first] if args.add else []
+    added = list(corpus_messages(args.add)[:args.add_first]) if args.add else []
     if args.nearest:
         nearest(added)
         return {}
