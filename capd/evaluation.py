@@ -298,7 +298,8 @@ def _why(table: ScoreTable, outcome: Outcome, row: int, threshold: float, margin
     if not table.covered(coverage)[row]:
         assert table.coverage is not None  # covered() passes every row without it
         return f"coverage {float(table.coverage[row]):.3f} below {coverage:.3f}"
-    return "vetoed: a veto (learned, the tap's or the abstain corpus) is nearer than its nearest example"
+    return ("vetoed: a veto (learned, the tap's or the abstain corpus) is nearer than its nearest example, or the "
+            "abstain corpus outscores it as a class of the ranking (`capd route` says which)")
 
 
 def evaluate(router: Router, fixtures: Sequence[Fixture], threshold: float | None = None,

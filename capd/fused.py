@@ -84,7 +84,7 @@ RESCORE_EXAMPLES = 32
 TOKEN_BUDGET = 100_000  # example token rows kept for the second stage (~150 MB of float32 at dim 384)
 VERSION = "fused-4"  # bump when anything above changes the cached heads
 
-def _log_softmax(x: Floats) -> Floats:
+def log_softmax(x: Floats) -> Floats:
     shifted = x - x.max(axis=1, keepdims=True)
     return np.asarray(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)), dtype=np.float32)
 
@@ -205,9 +205,9 @@ class FusedHead:
         calibrated per-capability offsets, :func:`capd.offsets.fit_offsets`)."""
         weight, bias = self.weight, self.bias
         with_head = weight is not None and bias is not None and self.mix > 0
-        fused = (1 - self.mix if with_head else 1.0) * _log_softmax(knn / TEMPERATURE)
+        fused = (1 - self.mix if with_head else 1.0) * log_softmax(knn / TEMPERATURE)
         if weight is not None and bias is not None and with_head:
-            fused = fused + self.mix * _log_softmax(np.asarray(vectors @ weight + bias, dtype=np.float32))
+            fused = fused + self.mix * log_softmax(np.asarray(vectors @ weight + bias, dtype=np.float32))
         if self.lexical_weight:
             fused = fused + (self.lexical_weight / TEMPERATURE) * self.lexicon.scores(texts)
         fused = np.asarray(fused, dtype=np.float32)

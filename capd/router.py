@@ -195,25 +195,47 @@ class Router:
             capability = self.catalog.get(name)
             tap = capability.tap if capability is not None else None
             own_row = None if own_keys is None else (lambda text, mine=own_keys[row]: key(text) == mine)
-            nearest = self.vetoes.nearest(name, self._gates_for(name).abstain_corpus, tap, queries[row], own_row)
-            if nearest is None:
-                continue
-            similarity, message, source = nearest
-            try:  # only the winner's own examples are compared, not the whole index
-                example = next((c for _, c in self.index.top_triggers(queries[row], name, 1)), -1.0)
-            except UnknownCapability:  # the index moved on under a router about to be replaced
-                example = -1.0
-            if similarity > example + VETO_TIE:
-                out[row] = Refusal(message, similarity, example, source)
+            corpus = self._gates_for(name).abstain_corpus
+            nearest = self.vetoes.nearest(name, corpus, tap, queries[row], own_row)
+            if nearest is not None:
+                similarity, message, source = nearest
+                try:  # only the winner's own examples are compared, not the whole index
+                    example = next((c for _, c in self.index.top_triggers(queries[row], name, 1)), -1.0)
+                except UnknownCapability:  # the index moved on under a router about to be replaced
+                    example = -1.0
+                if similarity > example + VETO_TIE:
+                    out[row] = Refusal(message, similarity, example, source)
+            if out[row] is None and corpus:
+                out[row] = self._outscored_by_corpus(queries[row], name)
         return out
+
+    def _outscored_by_corpus(self, query: np.ndarray, name: str) -> Refusal | None:
+        """The refusal when the abstain corpus, as a class of the fused ranking, outscores ``name``
+        (:mod:`capd.corpus_class`); None without that class or when ``name`` stays ahead."""
+        klass, corpus = self.vetoes.corpus_class, self.vetoes.corpus_vectors
+        if klass is None or corpus is None or name not in klass.names:
+            return None
+        names, knn = self.index.named_scores(query[None, :], fused.TOP_K)
+        if names != klass.names:  # the index moved on under a router about to be replaced
+            return None
+        sims = corpus @ query
+        scores = klass.scores(query, knn[0], sims)
+        mine = float(scores[names.index(name)])
+        if not float(scores[-1]) > mine:
+            return None
+        return Refusal(self.vetoes.corpus[int(sims.argmax())], float(scores[-1]), mine, "corpus class")
 
     def with_abstain_corpus(self, on: bool) -> Router:
         """This router with the abstain corpus on (or off) for every tap (``capd calibrate``
-        tries both); the corpus is embedded here if no tap used it yet."""
+        tries both); the corpus is embedded here if no tap used it yet, and for ``fused`` fitted as a
+        class of the ranking (:mod:`capd.corpus_class`; not cached: calibration's routers are its own)."""
         router = copy.copy(self)
         router.gates = self.gates.with_abstain_corpus(on and self.rule != "anchor")
         if on and self.rule != "anchor":
             router.vetoes = self.vetoes.with_corpus(self.encoder.embed)
+            examples = self.index.examples()
+            if self.head is not None and examples[0] == self.head.names:  # (not when the index moved on under it)
+                router.vetoes = router.vetoes.with_corpus_class(self.head, examples)
         return router
 
     def with_offsets(self, offsets: Mapping[str, float]) -> Router:
@@ -239,6 +261,10 @@ class Router:
         refusal = self.refusals(vector[None, :], [name])[0]
         if refusal is None:
             return None
+        if refusal.source == "corpus class":
+            return Decision("abstain", f"{name} vetoed: capd's abstain corpus, as a class of the ranking, outscores "
+                            f"it ({refusal.similarity:.2f} against {refusal.example:.2f}; its nearest message "
+                            f"{refusal.message[:60]!r})", name, score, margin, candidates)
         who = {"learned": "which an agent refused it for", "corpus": "a message of capd's abstain corpus",
                "tap": "one of its tap's vetoes (vetoes.jsonl; unless it is one of them, the cosine shown is the "
                       "second nearest veto's: two must be closer)"}[refusal.source]

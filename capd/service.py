@@ -30,7 +30,7 @@ from capd.corrections import Learner
 from capd.embedder import CachedEmbedder
 from capd.encoder import Encoder, Vectors, open_encoder
 from capd.errors import ModelError, StateError, Stopping, UnknownCapability
-from capd.fits import RuleFits, fitting_threads
+from capd.fits import RuleFits, fitting_threads, heads_dir
 from capd.fused import TOKEN_BUDGET
 from capd.index import SyncReport, TriggerIndex
 from capd.learned import KINDS, LearnedStore
@@ -352,6 +352,10 @@ class Service:
         gates = self.fits.gatebook(catalog, manifest, gate_model)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
             vetoes = vetoes.with_corpus(vectors_of)
+            if head is not None:  # and, for the fused rule, as a class of its ranking (cached with the head)
+                with fitting_threads(replacing=previous is not None):
+                    vetoes = vetoes.with_corpus_class(head, index.examples(), heads_dir(self.settings) if serving
+                                                      else None, self.fits.stopping.is_set)
         vetoes = vetoes.with_taps({tap: config.vetoes for tap, config in catalog.tap_configs.items()}, vectors_of)
         recalled = self.learned.recalls(catalog, learned, refused) if self.learned is not None and learned else {}
         router = Router(self.encoder, index, catalog, gates, rule=rule,

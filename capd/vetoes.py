@@ -5,7 +5,9 @@ abstains, :mod:`capd.learned`), a tap's ``vetoes.jsonl`` (``capd calibrate --wri
 fixtures' null rows there), and the shipped abstain corpus (:func:`abstain_corpus`) for taps whose
 gates turn it on. A winner is vetoed when the message is nearer one of them than to the winner's
 nearest example (a tap's need two: ``TAP_VETO_VOTES``). The router asks :meth:`Vetoes.nearest`
-for the evidence and compares it with its index (:meth:`capd.router.Router.refusals`).
+for the evidence and compares it with its index (:meth:`capd.router.Router.refusals`). Under the
+fused rule the corpus has a second way in: as a class of the ranking that outscores the winner
+(:mod:`capd.corpus_class`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Literal
 
 import numpy as np
 
+from capd.corpus_class import CorpusClass, class_key, fit_corpus_class
+from capd.fused import FusedHead, Stop
 from capd.text import routed_key, strip_tags
 
 # How much closer to a refused message than to the capability's nearest example a message must be
@@ -38,7 +42,7 @@ TAP_VETO_VOTES = 2
 CORPUS_VETO_VOTES = 1
 
 
-VetoSource = Literal["learned", "corpus", "tap"]
+VetoSource = Literal["learned", "corpus", "corpus class", "tap"]
 
 
 def veto_text(message: str) -> str:
@@ -77,6 +81,7 @@ class Vetoes:
     corpus: tuple[str, ...] = ()
     corpus_vectors: np.ndarray | None = None  # unit rows [len(corpus), dim]
     taps: Mapping[Path, tuple[tuple[str, ...], np.ndarray]] = field(default_factory=dict)  # tap -> (texts, rows)
+    corpus_class: CorpusClass | None = None  # the corpus as a class of the fused ranking (capd/corpus_class.py)
 
     @classmethod
     def build(cls, refused: Mapping[str, Sequence[str]], vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
@@ -97,6 +102,21 @@ class Vetoes:
             return self
         corpus = abstain_corpus()
         return replace(self, corpus=corpus, corpus_vectors=np.asarray(vectors_of(list(corpus)), dtype=np.float32))
+
+    def with_corpus_class(self, head: FusedHead, examples: tuple[tuple[str, ...], np.ndarray, np.ndarray],
+                          cache_dir: Path | None = None, stop: Stop | None = None) -> Vetoes:
+        """These vetoes (with the corpus: :meth:`with_corpus`) plus the corpus as a class of ``head``'s
+        ranking, whose examples are ``examples`` (:meth:`capd.index.TriggerIndex.examples`); kept when
+        already fitted for that head."""
+        if self.corpus_vectors is None:
+            raise ValueError("the corpus class needs the corpus: with_corpus() first")
+        if self.corpus_class is not None and self.corpus_class.key == class_key(head, self.corpus):
+            return self
+        names, vectors, labels = examples
+        if names != head.names:
+            raise ValueError("the examples and the head list the capabilities in different orders")
+        fitted = fit_corpus_class(head, vectors, labels, self.corpus, self.corpus_vectors, cache_dir, stop)
+        return replace(self, corpus_class=fitted)
 
     def with_taps(self, messages: Mapping[Path, Sequence[str]],
                   vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
@@ -169,7 +189,9 @@ def corpus_messages(path: Path) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Refusal:
     """Why a winner is vetoed: the nearest vetoing message, its cosine, the winner's nearest
-    example's cosine, and where the message comes from (:class:`Vetoes`)."""
+    example's cosine, and where the message comes from (:class:`Vetoes`). For the ``corpus class``
+    (:mod:`capd.corpus_class`): the corpus message nearest the message, and the corpus's and the
+    winner's scores in that class's ranking (log-odds, not cosines)."""
 
     message: str
     similarity: float

@@ -31,7 +31,10 @@ from tests.taputil import local_client, octomind_tap
 
 CORE = default_taps()[0].absolute()
 MISS = "the thing with the boxes is slow again"  # abstains on taps/core; the user meant docker
-CHATTER = "tell me something interesting about yourself"  # activates memory on taps/core (fused, default gates)
+CHATTER = "tell me something interesting about yourself"
+# small talk that activates `time` on taps/core (fused, its gates): the abstain corpus's veto and its class
+# both let it through (CHATTER the class turns away)
+LEAK = "time flies"
 
 
 def test_store_records_once_lists_and_forgets(tmp_path: Path) -> None:
@@ -429,23 +432,23 @@ def test_a_session_id_used_again_after_its_session_ended_learns_nothing_from_bef
 
 def test_a_disable_right_after_an_activation_teaches_the_daemon_to_abstain(daemon: TestClient) -> None:
     service = daemon.app.state.service  # type: ignore[attr-defined]
-    before = daemon.post("/v1/route", json={"session": "a", "message": CHATTER}).json()
-    assert (before["decision"], before["capability"]) == ("activate", "memory")
-    assert daemon.post("/v1/sessions/a/disable", json={"name": "memory"}).status_code == 200
+    before = daemon.post("/v1/route", json={"session": "a", "message": LEAK}).json()
+    assert (before["decision"], before["capability"]) == ("activate", "time")
+    assert daemon.post("/v1/sessions/a/disable", json={"name": "time"}).status_code == 200
     [entry] = service.learned.entries()
-    assert (entry.kind, entry.capability, entry.message, entry.previous) == ("abstain", "memory", CHATTER, "memory")
+    assert (entry.kind, entry.capability, entry.message, entry.previous) == ("abstain", "time", LEAK, "time")
     assert service.apply_learned() == 1
-    for message in (CHATTER, "tell me something interesting about you"):  # the refused message and a paraphrase
+    for message in (LEAK, "time really flies"):  # the refused message and a paraphrase
         after = daemon.post("/v1/route", json={"session": "b", "message": message}).json()
-        assert after["decision"] == "abstain" and after["capability"] == "memory", after
-        assert "vetoed" in after["reason"] and CHATTER in after["reason"]
-    wanted = daemon.post("/v1/route", json={"session": "c", "message": "save this fact to your long-term memory"})
-    assert (wanted.json()["decision"], wanted.json()["capability"]) == ("activate", "memory")  # memory still works
+        assert after["decision"] == "abstain" and after["capability"] == "time", after
+        assert "vetoed" in after["reason"] and LEAK in after["reason"]
+    wanted = daemon.post("/v1/route", json={"session": "c", "message": "what time is it in Tokyo"})
+    assert (wanted.json()["decision"], wanted.json()["capability"]) == ("activate", "time")  # time still works
     # the agent disagrees with the veto: enabling memory now records the message as its trigger instead
-    daemon.post("/v1/route", json={"session": "d", "message": CHATTER})
-    daemon.post("/v1/sessions/d/enable", json={"name": "memory"})
-    assert [(e.kind, e.message) for e in service.learned.entries()] == [("trigger", CHATTER)]
-    assert "interesting" not in (CORE / "capabilities" / "memory" / "config.toml").read_text()
+    daemon.post("/v1/route", json={"session": "d", "message": LEAK})
+    daemon.post("/v1/sessions/d/enable", json={"name": "time"})
+    assert [(e.kind, e.message) for e in service.learned.entries()] == [("trigger", LEAK)]
+    assert "flies" not in (CORE / "capabilities" / "time" / "config.toml").read_text()
 
 
 def test_learned_examples_survive_a_restart_and_the_anchor_rule_ignores_them(tmp_path: Path,

@@ -142,7 +142,8 @@ def test_calibrate_fits_with_the_fit_nulls_and_never_on_a_rows_own_copy(fused_co
     assert table.vetoed is not None
     assert table.vetoed[:len(nulls)].all()  # near copies of each other: two others veto each one
     assert not table.vetoed[len(nulls):].any()  # the tasks are not like them
-    alone = fused_core.router.with_tap_vetoes([NULL])
+    # the tap's vetoes alone: the abstain corpus, which the tap turns on, turns NULL away as a class as well
+    alone = fused_core.router.with_abstain_corpus(False).with_tap_vetoes([NULL])
     assert score_table(alone, nulls[:1]).vetoed.tolist() == [True]  # type: ignore[union-attr]  # its own copy
     assert score_table(alone, nulls[:1], not_own_veto=True).vetoed.tolist() == [False]  # type: ignore[union-attr]
 
