@@ -16,7 +16,7 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
@@ -58,6 +58,15 @@ def write_text(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` (UTF-8) at once (:func:`replacing`)."""
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def write_with(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Replace ``path`` at once (:func:`replacing`) with what ``write`` writes to an open binary
+    handle (a handle, not a name: ``numpy.savez`` would append ``.npz`` to a name), creating its
+    directory first. Raises OSError when the directory cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp, tmp.open("wb") as handle:
+        write(handle)
 
 
 def process_alive(pid: int) -> bool:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from capd.atomic import replacing
+from capd.atomic import write_with
 from capd.fused import MIX, TEMPERATURE, TOP_K, FusedHead, Stop, fit_head, log_softmax
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,6 @@ def fit_corpus_class(head: FusedHead, vectors: Floats, labels: npt.NDArray[np.in
 
 def _store(path: Path, weight: Floats, bias: Floats) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as tmp, tmp.open("wb") as handle:  # a handle: savez would append .npz to a name
-            np.savez(handle, weight=weight, bias=bias)
+        write_with(path, lambda handle: np.savez(handle, weight=weight, bias=bias))
     except OSError as exc:  # a read-only data directory only costs a refit next start
         log.warning("cannot cache the corpus class in %s: %s", path.parent, exc)

@@ -113,13 +113,14 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
                         "abstain (capd lint lists the capabilities without them)")
     if vectors is None:
         vectors, tokens = embed_fixtures(router, fixtures)
-    levels = coverage = None
+    levels = coverage = knn = None
     if router.rule == "fused":
         texts = _texts(router, fixtures)
         if tokens is None:
             tokens = router.encoder.embed_tokens(texts)[1]
         names, fused_scores = router.fused_scores(vectors, texts, tokens)
         scores, levels, coverage = fused_scores.fused, fused_scores.level, fused_scores.winner_coverage
+        knn = fused_scores.knn
         if offsets is not None:
             scores = scores + offsets
             coverage = fused_scores.coverage[np.arange(len(fixtures)), scores.argmax(axis=1)]
@@ -138,7 +139,7 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
     if len(router.vetoes) and len(names):
         winners = [names[i] for i in scores.argmax(axis=1).tolist()]
         own = [f.message for f in fixtures] if not_own_veto else None
-        vetoed = np.array([r is not None for r in router.refusals(vectors, winners, own)], dtype=bool)
+        vetoed = np.array([r is not None for r in router.refusals(vectors, winners, own, knn)], dtype=bool)
     return ScoreTable(tuple(fixtures), names, scores, routable, expected, levels, vetoed, coverage)
 
 

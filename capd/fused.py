@@ -54,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 from threadpoolctl import threadpool_limits
 
-from capd.atomic import replacing
+from capd.atomic import write_with
 from capd.encoder import Embedded, TokenVectors
 from capd.errors import Stopping
 from capd.index import Ints
@@ -98,6 +98,7 @@ class Scores:
     winner: npt.NDArray[np.int64]  # [n]
     gap: Floats  # [n]: F_winner - F_second (inf with one capability)
     coverage: Floats  # [n, C]: the coverage gate's statistic; NaN where not computed (not re-scored)
+    knn: Floats  # [n, C]: K, the mean-top-k example cosines the level was taken from
 
     @property
     def winner_level(self) -> Floats:
@@ -224,7 +225,7 @@ class FusedHead:
         else:
             second = np.full(n, -np.inf, dtype=np.float32)
         return Scores(fused, np.asarray(knn - self.in_class, dtype=np.float32), winner.astype(np.int64),
-                      np.asarray(first - second, dtype=np.float32), coverage)
+                      np.asarray(first - second, dtype=np.float32), coverage, np.asarray(knn, dtype=np.float32))
 
     def _rescore(self, fused: Floats, tokens: TokenVectors, examples: ExampleTokens,
                  vectors: Floats) -> tuple[Floats, Floats]:
@@ -472,8 +473,6 @@ def _store(path: Path, in_class: Floats, weight: Floats | None, bias: Floats | N
     if over_budget:
         arrays["over_token_budget"] = np.array(True)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as tmp, tmp.open("wb") as handle:  # a handle: savez would append .npz to a name
-            np.savez(handle, **arrays)
+        write_with(path, lambda handle: np.savez(handle, **arrays))
     except OSError as exc:  # a read-only data directory only costs a refit next start
         log.warning("cannot cache the fused head in %s: %s", path.parent, exc)

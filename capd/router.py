@@ -175,11 +175,13 @@ class Router:
         return cached[2]
 
     def refusals(self, vectors: np.ndarray, winners: Sequence[str],
-                 own: Sequence[str] | None = None) -> list[Refusal | None]:
+                 own: Sequence[str] | None = None, knn: np.ndarray | None = None) -> list[Refusal | None]:
         """Per message: the :class:`Refusal` that vetoes its winner (:class:`Vetoes`), else None.
         ``own`` (the messages' texts) leaves out a tap's veto equal to the message itself: ``capd
         calibrate`` scores the fixtures' null rows that become the tap's vetoes, and a row must not
-        be turned away by its own copy (learned abstains and the corpus are not fixtures: they stay)."""
+        be turned away by its own copy (learned abstains and the corpus are not fixtures: they stay).
+        ``knn``: the messages' mean-top-k example cosines in the head's column order when the caller
+        has them (:class:`capd.fused.Scores`), so that the corpus class does not score them again."""
         out: list[Refusal | None] = [None] * len(winners)
         queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
         # copies that differ in tags, case or spacing count as one message (as in capd.calibrate.split)
@@ -206,20 +208,25 @@ class Router:
                 if similarity > example + VETO_TIE:
                     out[row] = Refusal(message, similarity, example, source)
             if out[row] is None and corpus:
-                out[row] = self._outscored_by_corpus(queries[row], name)
+                out[row] = self._outscored_by_corpus(queries[row], name, None if knn is None else knn[row])
         return out
 
-    def _outscored_by_corpus(self, query: np.ndarray, name: str) -> Refusal | None:
+    def _outscored_by_corpus(self, query: np.ndarray, name: str, knn: np.ndarray | None = None) -> Refusal | None:
         """The refusal when the abstain corpus, as a class of the fused ranking, outscores ``name``
-        (:mod:`capd.corpus_class`); None without that class or when ``name`` stays ahead."""
+        (:mod:`capd.corpus_class`); None without that class or when ``name`` stays ahead. ``knn``:
+        the query's mean-top-k example cosines in the class's column order, if already scored."""
         klass, corpus = self.vetoes.corpus_class, self.vetoes.corpus_vectors
         if klass is None or corpus is None or name not in klass.names:
             return None
-        names, knn = self.index.named_scores(query[None, :], fused.TOP_K)
+        if knn is None:
+            names, scored = self.index.named_scores(query[None, :], fused.TOP_K)
+            knn = scored[0]
+        else:
+            names = self.index.names
         if names != klass.names:  # the index moved on under a router about to be replaced
             return None
         sims = corpus @ query
-        scores = klass.scores(query, knn[0], sims)
+        scores = klass.scores(query, knn, sims)
         mine = float(scores[names.index(name)])
         if not float(scores[-1]) > mine:
             return None
@@ -256,9 +263,9 @@ class Router:
         return router
 
     def _vetoed(self, vector: np.ndarray, name: str, score: float, margin: float,
-                candidates: tuple[tuple[str, float], ...]) -> Decision | None:
-        """The abstain a veto turns an activation of ``name`` into, if any."""
-        refusal = self.refusals(vector[None, :], [name])[0]
+                candidates: tuple[tuple[str, float], ...], knn: np.ndarray | None = None) -> Decision | None:
+        """The abstain a veto turns an activation of ``name`` into, if any (``knn``: :meth:`refusals`)."""
+        refusal = self.refusals(vector[None, :], [name], knn=knn)[0]
         if refusal is None:
             return None
         if refusal.source == "corpus class":
@@ -387,7 +394,7 @@ class Router:
             return Decision("abstain", f"{name}'s examples cover the message's words {value}, below coverage "
                             f"{limit}: much of what it says is unlike anything they say", name, level, gap, candidates)
         covered = f", coverage {coverage:.2f} clears {gates.coverage:.2f}" if gates.coverage > 0 else ""
-        return self._vetoed(vector, name, level, gap, candidates) or Decision(
+        return self._vetoed(vector, name, level, gap, candidates, scores.knn) or Decision(
             "activate", f"{name} level {level:.2f} clears threshold {gates.threshold:.2f} and margin "
             f"{gates.margin:.2f} (margin {gap:.2f}){covered}", name, level, gap, candidates)
 

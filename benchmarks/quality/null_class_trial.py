@@ -59,8 +59,8 @@ def with_null_class(variant: str) -> Iterator[None]:
     shipped = Router.refusals
 
     def refusals(self: Router, vectors: np.ndarray, winners: Sequence[str],
-                 own: Sequence[str] | None = None) -> list[Refusal | None]:
-        out = shipped(self, vectors, winners, own)
+                 own: Sequence[str] | None = None, knn: np.ndarray | None = None) -> list[Refusal | None]:
+        out = shipped(self, vectors, winners, own, knn)
         if self.rule != "fused" or self.head is None:
             return out
         queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
