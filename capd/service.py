@@ -8,13 +8,13 @@ the lock; the swap itself only moves cached vectors into the index.
 
 What each publish is fitted with (the fused head, auto gates, the gates in force) is
 :mod:`capd.fits`; when the model is tuned to the taps is :mod:`capd.tuner`; how a route meets its
-session is :mod:`capd.session_routing`. The service keeps what ties them together: the lock, the
-snapshot, the encoder in use (and the switch to a tuned one), learning from corrections and health.
+session is :mod:`capd.session_routing`; the switch to a tuned model is :mod:`capd.model_switch`. The
+service keeps what ties them together: the lock, the snapshot, the encoder in use, learning from
+corrections and health.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -29,34 +29,26 @@ from capd.catalog import Capability, Catalog, Problem
 from capd.corrections import Learner
 from capd.embedder import CachedEmbedder
 from capd.encoder import Encoder, Vectors, open_encoder
-from capd.errors import ModelError, StateError, Stopping, UnknownCapability
+from capd.errors import StateError, Stopping, UnknownCapability
 from capd.fits import RuleFits, fitting_threads, heads_dir
 from capd.fused import TOKEN_BUDGET
+from capd.health import health as health_of
 from capd.index import SyncReport, TriggerIndex
 from capd.learned import KINDS, LearnedStore
 from capd.live_taps import LiveTaps
 from capd.metrics import Metrics
+from capd.model_switch import ModelSwitch
 from capd.models import manifest_for
 from capd.router import Router, example_catalog
 from capd.session_routing import RouteResult, SessionRouting
 from capd.sessions import SessionRegistry
 from capd.settings import Settings, own_data_dir
 from capd.state import SessionStore, sessions_owner
-from capd.text import printable
-from capd.tuned_models import InUse, is_tuned, prune, remember, remembered, set_aside, tuned_dir
-from capd.tuner import Tuner, Tuning, lineage_for
+from capd.tuner import Tuner, Tuning
 from capd.vectorcache import VectorCache
 from capd.vetoes import Vetoes, abstain_corpus, veto_text
 
 log = logging.getLogger(__name__)
-
-
-def _shown(problems: Iterable[Problem]) -> list[dict[str, Any]]:
-    """Problems as health's ``errors`` shows them."""
-    return [{"file": printable(p.file), "line": p.line, "reason": printable(p.reason)} for p in problems]
-
-
-RETIRE_DELAY = 30.0  # seconds an encoder replaced by a tuned one keeps serving requests already holding it
 
 
 @dataclass(frozen=True)
@@ -125,12 +117,9 @@ class Service:
         self.startup_error: str | None = None
         self.state_error: str | None = None  # why session state is not stored on disk, if it is not
         self.watch_problems: list[Problem] = []  # taps scanned for changes, or not at all (capd.watcher)
-        self.tuner = Tuner(settings, self.catalog_now, self._use_tuned)
+        self.models = ModelSwitch(self)  # the tuned model in use, and the switches to it
+        self.tuner = Tuner(settings, self.catalog_now, self.models.use)
         self._cache: VectorCache | None = None
-        self._holds: list[tuple[Encoder, InUse]] = []  # tuned models in use, with the encoder using each
-        # The tuned model self.encoder embeds with (None: untuned). It leads self.tuning.key while a
-        # switch re-embeds: publishing picks gates by it, and health shows the switch once it is published.
-        self._encoder_key: str | None = None
         self._sessions_owner: BinaryIO | None = None  # see sessions_owner()
         self._closed = False
         self.routing = SessionRouting(self)
@@ -219,9 +208,9 @@ class Service:
         self.interrupt()
         self.tuner.close()
         if self._snapshot is None:  # still starting: stop its embedding at the next batch, not after them all
-            self._close_encoder(self.encoder)
+            self.models.close_encoder(self.encoder)
         with self._lock:  # a reload or learning pass already under way finishes before its stores close
-            self._close_encoder(self.encoder)
+            self.models.close_encoder(self.encoder)
             if self.learned is not None and (lost := self.learned.close()):
                 log.warning("%d learned correction(s) could not be stored in %s before capd stopped: %s",
                             lost, self.learned.path, self.learned.error)
@@ -274,7 +263,7 @@ class Service:
             before = self._snapshot.catalog if self._snapshot is not None else None
             catalog = self._taps.load(changed)
             if self.tuning.enabled and self.tuning.key is None and self.ready_after is None:
-                report = self._publish_adopting(catalog)  # a restart starts on its tuned model: embeds once
+                report = self.models.publish_adopting(catalog)  # a restart starts on its tuned model: embeds once
             else:
                 report = self._publish(catalog)
             self.counters.reloads += 1
@@ -362,134 +351,10 @@ class Service:
                         min_chars=self.settings.min_chars, head=head, vetoes=vetoes, recalled=recalled)
         return router, report
 
-    # -- the tuned model (capd/tuner.py decides when) --------------------------------------
-
     @property
     def tuning(self) -> Tuning:
+        """The tuned model's state: :mod:`capd.tuner` decides when to tune, :mod:`capd.model_switch` switches."""
         return self.tuner.state
-
-    def _publish_adopting(self, catalog: Catalog) -> SyncReport:
-        """The first publish: with the tuned model for ``catalog`` if it is cached, else with the one
-        this data directory last routed with for these taps and base model (``stale``: the taps were
-        edited while capd was not running; start() tunes for them as they are). One that does not
-        load, or that routing cannot use (it gives non-finite vectors), is set aside and the untuned
-        model published, so that start() tunes it again: a cached model that failed here used to fail
-        every later start as well."""
-        key = self.tuner.target(catalog).key
-        path = tuned_dir(self.settings.data_dir, key)
-        if not is_tuned(path):
-            # the taps were edited since the last run: route with the tuned model it last used (``stale``)
-            # while the tuning for the taps as they are runs, as after a live edit; else untuned
-            last = remembered(self.settings.data_dir, self._lineage())
-            if last is None:
-                return self._publish(catalog)
-            self.tuning.wanted = key
-            key, path = last, tuned_dir(self.settings.data_dir, last)
-        previous = self.encoder
-        undo = self._switch_encoder(path, key)
-        if undo is None:
-            set_aside(path, self.tuning.error or "it does not load")
-            return self._publish(catalog)
-        try:
-            report = self._publish(catalog)
-        except Stopping:
-            raise
-        except Exception as exc:
-            undo()
-            why = f"cannot route with the tuned model {path}: {exc}"
-            self.tuning.failed(why)
-            set_aside(path, why)
-            return self._publish(catalog)
-        self._switched(path, key, previous)
-        return report
-
-    def _lineage(self) -> str:
-        """:func:`~capd.tuner.lineage_for` these settings ("" when the base model cannot be resolved:
-        nothing is remembered under it, so nothing is adopted)."""
-        try:
-            return lineage_for(self.settings)
-        except Exception as exc:  # a model the encoder loaded resolves; this is belt and braces
-            log.warning("cannot tell which tuned models belong to these taps: %s", exc)
-            return ""
-
-    def _switch_encoder(self, path: Path, key: str) -> Callable[[], None] | None:
-        """Point the encoder, embedder and index at the tuned model in ``path`` (under the lock;
-        the caller publishes). Returns what undoes it (None: the model does not load); the encoder
-        it replaces is the caller's to :meth:`_retire` once the switch is published."""
-        hold = InUse(path)  # first: from here on no other process prunes it
-        try:
-            if not is_tuned(path):
-                raise ModelError("another process removed it")
-            tuned = open_encoder(dataclasses.replace(self.settings, model=str(path)))
-        except Exception as exc:
-            hold.release()
-            self.tuning.failed(f"cannot load the tuned model {path}: {exc}")
-            return None
-        assert self._cache is not None
-        before = (self.encoder, self.embedder, self.index, self._encoder_key)
-        self.encoder = MicroBatcher(tuned)
-        self._holds.append((self.encoder, hold))
-        self.embedder = CachedEmbedder(self.encoder, self._cache, stopping=self.fits.stopping)
-        self.index = TriggerIndex(self.encoder.dim)
-        self._encoder_key = key
-
-        def undo() -> None:
-            switched = self.encoder
-            self.encoder, self.embedder, self.index, self._encoder_key = before
-            self._retire(switched)
-
-        return undo
-
-    def _retire(self, old: Encoder | None) -> None:
-        """Close an encoder once requests already holding it are done (:data:`RETIRE_DELAY`)."""
-        if isinstance(old, MicroBatcher):
-            retire = threading.Timer(RETIRE_DELAY, self._close_encoder, args=(old,))
-            retire.daemon = True
-            retire.start()
-
-    def _close_encoder(self, encoder: Encoder | None) -> None:
-        """Close ``encoder`` and let go of the tuned model it routed with (:class:`InUse`)."""
-        if isinstance(encoder, MicroBatcher):
-            encoder.close()
-        for pair in [pair for pair in self._holds if pair[0] is encoder]:
-            try:
-                self._holds.remove(pair)
-            except ValueError:
-                continue  # another thread let go of it first
-            pair[1].release()
-
-    def _use_tuned(self, path: Path, key: str) -> bool:
-        """Swap in the tuned model: embed every example with it and publish, under the lock.
-        False when it does not load, or when publishing with it fails (e.g. the model gives
-        non-finite vectors): then the served snapshot, which still routes with the model it had,
-        keeps that model, and the tuned one is retired."""
-        with self._lock:
-            if self._closed:
-                return False
-            previous = self.encoder
-            undo = self._switch_encoder(path, key)
-            if undo is None:
-                return False
-            try:
-                self._publish(self.catalog_now())
-            except Stopping:  # close() cut the fits short: nothing failed
-                undo()
-                return False
-            except Exception as exc:
-                undo()
-                self.tuning.failed(f"cannot route with the tuned model {path}: {exc}")
-                return False
-            self._switched(path, key, previous)
-            return True
-
-    def _switched(self, path: Path, key: str, previous: Encoder | None) -> None:
-        """The switch to ``key`` is published: health and the tuner see it from here on."""
-        self.tuning.switched(key, path)
-        log.info("routing with the tuned model %s", path)
-        if lineage := self._lineage():
-            remember(self.settings.data_dir, lineage, key)
-        prune(self.settings.data_dir, key)
-        self._retire(previous)
 
     # -- learning from corrections (capd/corrections.py records them) ----------------------
 
@@ -543,7 +408,7 @@ class Service:
         return self._gate_model(manifest_for(self.settings).name)
 
     def _gate_model(self, manifest_name: str) -> str:
-        return f"{manifest_name}+tuned" if self._encoder_key is not None else manifest_name
+        return f"{manifest_name}+tuned" if self.models.key is not None else manifest_name
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -582,40 +447,6 @@ class Service:
 
     # -- health ----------------------------------------------------------------------------
 
-    def _state_errors(self) -> list[dict[str, Any]]:
-        """The session file while it cannot be written (capd then serves from memory), and the
-        learned-corrections file likewise: corrections learned meanwhile are lost at the next stop."""
-        errors = []
-        store = self.registry.store if self.registry is not None else None
-        reason = self.state_error or (store.last_error if store is not None else None)
-        if store is not None and reason is not None:
-            errors.append({"file": printable(str(store.path)), "line": None,
-                           "reason": printable(reason.removeprefix(f"{store.path}: "))})
-        if self.learned is not None and self.learned.error is not None:
-            errors.append({"file": printable(str(self.learned.path)), "line": None,
-                           "reason": printable(self.learned.error.removeprefix(f"{self.learned.path}: "))})
-        return errors
-
-    def _routing_model_id(self) -> str:
-        """The model the served snapshot routes with (a tuned one being switched to is not yet it)."""
-        snapshot = self._snapshot
-        encoder = snapshot.router.encoder if snapshot is not None else self.encoder
-        return encoder.model_id if encoder is not None else self.settings.model
-
     def health(self) -> dict[str, Any]:
-        catalog = self.catalog_now()
-        return {
-            "status": "error" if self.startup_error else "ok" if self.ready else "starting",
-            "ready": self.ready,
-            "model": self._routing_model_id(),
-            "rule": self.settings.rule,
-            "rule_from": self.settings.rule_from,
-            "capabilities": len(catalog),
-            "triggers": catalog.trigger_count,
-            "embedded": self.counters.embedded,
-            "cached": self.counters.cached,
-            "errors": _shown(catalog.errors) + self._state_errors() + _shown(self.watch_problems),
-            "startup_error": self.startup_error,
-            "tuning": self.tuning.as_dict(),
-        }
-
+        """``GET /v1/health``'s body: :func:`capd.health.health`."""
+        return health_of(self)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from capd.encoder import TokenVectors, Vectors
 from capd.errors import FAILED_START, UnknownCapability
 from capd.index import SMALL_ROWS
+from capd.plans import Plan
 from capd.router import Decision
-from capd.sessions import Plan
 from capd.text import clean_message
 
 if TYPE_CHECKING:  # the service builds one of these for itself

@@ -118,7 +118,7 @@ CLOSE_WAIT = 5.0  # seconds close() waits for a killed run to clean up after its
 
 class Tuner:
     """Keeps a service's model tuned to its catalog. ``use(path, key)`` switches routing to the
-    tuned model in ``path`` and says whether it could (the service's :meth:`~capd.service.Service._use_tuned`)."""
+    tuned model in ``path`` and says whether it could (:meth:`capd.model_switch.ModelSwitch.use`)."""
 
     def __init__(self, settings: Settings, catalog_now: Callable[[], Catalog],
                  use: Callable[[Path, str], bool]) -> None:

@@ -13,7 +13,8 @@ import pytest
 
 from capd.catalog import Catalog
 from capd.errors import InvalidSessionId, PinnedCapability, UnknownCapability, UnknownSession
-from capd.sessions import ENDED_KEPT, Plan, SessionRegistry
+from capd.plans import Plan
+from capd.sessions import ENDED_KEPT, SessionRegistry
 from capd.state import FILENAME, SessionStore
 from capd.taps import load_catalog
 from tests.taputil import write_capability

@@ -24,7 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from capd.catalog import Catalog
 from capd.errors import PinnedCapability, UnknownCapability, UnknownSession
-from capd.sessions import Plan, SessionRegistry
+from capd.plans import Plan
+from capd.sessions import SessionRegistry
 from capd.state import FILENAME, SessionStore
 from capd.taps import load_catalog
 from tests.taputil import write_capability

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import capd.service as service_module
+import capd.model_switch as model_switch
 import capd.tuner as tuner_module
 import capd.tuning as tuning_module
 from capd.cli import main
@@ -204,7 +204,7 @@ def test_a_service_holds_the_tuned_model_it_routes_with_and_lets_go_when_done(
     """While a service routes with a tuned model, no other process prunes or removes it; the
     model it switched away from, and the one it had at close, are let go of."""
     monkeypatch.setattr(tuner_module, "TUNE_DELAY", 0.05)
-    monkeypatch.setattr(service_module, "RETIRE_DELAY", 0.0)
+    monkeypatch.setattr(model_switch, "RETIRE_DELAY", 0.0)
     monkeypatch.setattr(tuner_module, "run_child", fake_tuning([]))
     service = Service(tuned_settings, sessions=True).start()
     try:
