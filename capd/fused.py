@@ -78,9 +78,12 @@ RESCORE_WEIGHT = 10.0  # β of the second stage, in F's log-odds units per unit 
 RESCORE_CANDIDATES = 5
 # A candidate's examples the second stage reads: with more than this, its nearest ones by sentence
 # cosine. It bounds the stage's cost on a capability with hundreds of examples (clinc150_domain with
-# `capd calibrate --examples`, ~240 each: the fused score 4.1 -> 1.6 ms a message, a route 1.84x ->
-# 1.51x a bare encode, `make quality`); no shipped or shared tap has more without examples (32 at most).
-RESCORE_EXAMPLES = 32
+# `capd calibrate --examples`, ~240 each: reading them all took 4.1 ms a message, a route 1.84x a bare
+# encode). 32 -> 16 (2026-12-07): a route with the examples 1.43x -> 1.35x on clinc150_domain, 1.36x ->
+# 1.25x on snips7, and over 8 splits of the four public intent sets (`python -m
+# benchmarks.quality.rescore_examples_trial`) the goal is met as often or more on each. taps/core and
+# healthcare have at most 13 examples a capability, so their scores are unchanged.
+RESCORE_EXAMPLES = 16
 TOKEN_BUDGET = 100_000  # example token rows kept for the second stage (~150 MB of float32 at dim 384)
 VERSION = "fused-4"  # bump when anything above changes the cached heads
 
