@@ -1,8 +1,7 @@
 """Research harness: the abstain corpus as a class of the fused ranking, left out or changed.
 
-Run: ``.venv/bin/python -m benchmarks.quality.corpus_class_trial --variant
-off|unbalanced|alone|two-votes [--sets …] [--splits 20]`` (``splits_trial``'s options apply; fused
-rule, untuned model). Compare
+Run: ``.venv/bin/python -m benchmarks.quality.corpus_class_trial --variant off|unbalanced
+[--sets …] [--splits 20]`` (``splits_trial``'s options apply; fused rule, untuned model). Compare
 with a plain ``splits_trial`` run on the same sets and splits, which routes as shipped. Results:
 benchmarks/quality/README.md, *The abstain corpus as a class of the ranking*.
 
@@ -11,10 +10,7 @@ its messages is nearer the message than the winner's nearest example (:class:`ca
 and when it outscores the winner as a class of the ranking (:mod:`capd.corpus_class`). ``off``:
 the first way alone (capd before the class). ``unbalanced``: the class keeps the prior its share
 of the head's rows gives it (184 corpus messages against about ten examples per capability on
-taps/core). ``alone``: the class alone; the corpus's nearest-message veto is left out (a message
-that is one of its lines is still turned away). ``two-votes``: both, with the nearest-message veto
-needing two corpus messages nearer than the winner's nearest example, as a tap's vetoes do.
-Calibration still tries the
+taps/core). Calibration still tries the
 corpus off and on and keeps it unless it lowers the fit fired_right, so each variant is measured
 as ``capd calibrate`` would use it.
 
@@ -38,35 +34,30 @@ from pathlib import Path
 from typing import Any
 
 import capd.corpus_class
-import capd.vetoes
 from benchmarks.quality.splits_trial import patched_main
 from capd.vetoes import Vetoes
 
-VARIANTS = ("off", "unbalanced", "alone", "two-votes")
+VARIANTS = ("off", "unbalanced")
 
 
 @contextmanager
 def class_variant(variant: str) -> Iterator[None]:
-    """Within the block, the corpus class is left out (``off``), fitted without the balanced
-    prior (``unbalanced``), or the corpus's nearest-message veto needs every corpus message's vote
-    (``alone``: none but an exact copy vetoes) or two (``two-votes``)."""
-    with_class, balanced, votes = Vetoes.with_corpus_class, capd.corpus_class.BALANCED, capd.vetoes.CORPUS_VETO_VOTES
+    """Within the block, the corpus class is left out (``off``) or fitted without the balanced
+    prior (``unbalanced``)."""
+    with_class, balanced = Vetoes.with_corpus_class, capd.corpus_class.BALANCED
 
     def no_class(self: Vetoes, *args: Any, **kwargs: Any) -> Vetoes:
         return self
 
     if variant == "off":
         Vetoes.with_corpus_class = no_class  # type: ignore[method-assign]
-    elif variant == "unbalanced":
+    else:
         capd.corpus_class.BALANCED = False
-    else:  # more votes than corpus messages: only a message equal to one of them is vetoed
-        capd.vetoes.CORPUS_VETO_VOTES = sys.maxsize if variant == "alone" else 2
     try:
         yield
     finally:
         Vetoes.with_corpus_class = with_class  # type: ignore[method-assign]
         capd.corpus_class.BALANCED = balanced
-        capd.vetoes.CORPUS_VETO_VOTES = votes
 
 
 def cost() -> dict[str, float]:
