@@ -49,20 +49,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import sqlite3
 import threading
 import time
-import urllib.parse
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, replace
 from pathlib import Path
-from typing import Any
 
 from capd.catalog import Catalog
-from capd.state import advice, set_busy_timeout, stored_text, tolerant_text
-from capd.text import printable, recall_key
+from capd.learned_rows import (
+    KINDS,
+    SCHEMA,
+    Learned,
+    canonical_tap,
+    damaged,
+    matches,
+    read_only_rows,
+    skipped_rows,
+    usable_rows,
+    where_clause,
+)
+from capd.state import advice, set_busy_timeout, tolerant_text
+from capd.text import recall_key
 
 log = logging.getLogger(__name__)
 
@@ -71,39 +80,6 @@ log = logging.getLogger(__name__)
 MAX_PER_CAPABILITY = 100
 WRITE_WAIT = 5.0  # seconds a write waits for another process's lock on the file
 FILE_NAME = "learned.sqlite3"
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS learned (
-    tap TEXT NOT NULL,
-    capability TEXT NOT NULL,
-    message TEXT NOT NULL,
-    previous TEXT,
-    session TEXT,
-    created REAL NOT NULL,
-    kind TEXT NOT NULL DEFAULT 'trigger',
-    PRIMARY KEY (tap, capability, message)
-)
-"""
-KINDS = ("trigger", "abstain")  # message -> capability, and message -/-> capability
-
-
-@dataclass(frozen=True)
-class Learned:
-    """One correction: ``message`` should (``kind`` trigger) or should not (abstain) route to
-    ``capability`` of ``tap``."""
-
-    tap: str
-    capability: str
-    message: str
-    previous: str | None  # what routing did: "abstain" or the capability it chose
-    session: str | None
-    created: float
-    kind: str = "trigger"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"tap": self.tap, "capability": self.capability, "message": self.message, "kind": self.kind,
-                "previous": self.previous, "session": self.session, "created": self.created}
-
-
 class LearnedStore:
     """Learned examples in SQLite; in memory when ``path`` is None or cannot be written."""
 
@@ -146,7 +122,7 @@ class LearnedStore:
         read (damaged, a directory); rows that are no corrections are left out, counted in :attr:`skipped`."""
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a directory")
-        entries, skipped = _usable(_read_only_rows(path))
+        entries, skipped = usable_rows(read_only_rows(path))
         store = cls(None)
         store.skipped = len(skipped)
         with store._cursor() as conn:
@@ -169,7 +145,7 @@ class LearnedStore:
                 self.error = f"cannot store learned examples in {path}: {exc}; keeping them in memory"
                 self._advice = advice(path, exc, "learned")
         conn = sqlite3.connect(":memory:", check_same_thread=False)
-        conn.execute(_SCHEMA)
+        conn.execute(SCHEMA)
         if path is not None and self.error is not None:
             self.error += self._copy_readable(path, conn) + f"; {self._advice}"
             log.error("%s", self.error)
@@ -179,10 +155,10 @@ class LearnedStore:
         """``path`` opened for writing, its table created or brought up to date."""
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, check_same_thread=False, timeout=self._timeout)
-        conn.text_factory = tolerant_text  # text that is not UTF-8 failed the query: _usable skips its row
+        conn.text_factory = tolerant_text  # text that is not UTF-8 failed the query: usable_rows skips its row
         try:
             conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(_SCHEMA)
+            conn.execute(SCHEMA)
             if "kind" not in {row[1] for row in conn.execute("PRAGMA table_info(learned)")}:
                 # a store from before abstains were learned: its entries are triggers
                 conn.execute("ALTER TABLE learned ADD COLUMN kind TEXT NOT NULL DEFAULT 'trigger'")
@@ -218,7 +194,7 @@ class LearnedStore:
             self.unreadable = path.exists()
             return ""
         try:
-            entries, skipped = _usable(_read_only_rows(path))
+            entries, skipped = usable_rows(read_only_rows(path))
         except sqlite3.Error as exc:
             self.unreadable = True
             return f" (its contents cannot be read either: {exc})"
@@ -357,27 +333,27 @@ class LearnedStore:
         try:
             found = self._select(tap, capability, None if unsaved else kind)
         except sqlite3.DatabaseError as exc:
-            if not (self.persistent and _damaged(exc)):
+            if not (self.persistent and damaged(exc)):
                 raise
             self._lose_file(exc)
             return self.entries(tap, capability, kind)
         if not unsaved:
             return found
         merged = {(e.tap, e.capability, e.message): e for e in found}
-        merged.update({(e.tap, e.capability, e.message): e for e in unsaved if _matches(e, tap, capability)})
+        merged.update({(e.tap, e.capability, e.message): e for e in unsaved if matches(e, tap, capability)})
         # the query's order: kind DESC puts triggers before abstains
-        return sorted((e for e in merged.values() if _matches(e, kind=kind)),
+        return sorted((e for e in merged.values() if matches(e, kind=kind)),
                       key=lambda e: (e.tap, e.capability, KINDS.index(e.kind), e.created, e.message))
 
     def _select(self, tap: Path | str | None, capability: str | None, kind: str | None) -> list[Learned]:
         """The file's matching rows that are corrections, remembered (:attr:`_read`) while it is used."""
         with self._cursor() as conn:
             spellings = self._spellings(conn, tap)
-            where, args = _filters(spellings, capability, kind)
+            where, args = where_clause(spellings, capability, kind)
             rows = conn.execute(f"SELECT rowid, tap, capability, message, previous, session, created, kind FROM "
                                 f"learned{where} ORDER BY tap, capability, kind DESC, created, message",
                                 args).fetchall()
-        found, skipped = _usable(row[1:] for row in rows)
+        found, skipped = usable_rows(row[1:] for row in rows)
         with self._lock:
             new = {rows[i][0] for i in skipped} - self._skipped
             self._skipped |= new
@@ -386,7 +362,7 @@ class LearnedStore:
         if self.persistent:
             with self._lock:  # what the query covered, as the file has it now
                 for key in [k for k, e in self._read.items() if (spellings is None or e.tap in spellings)
-                            and _matches(e, capability=capability, kind=kind)]:
+                            and matches(e, capability=capability, kind=kind)]:
                     del self._read[key]
                 self._read.update(((e.tap, e.capability, e.message), e) for e in found)
         return found
@@ -402,7 +378,7 @@ class LearnedStore:
             kept = {**self._read, **self._unsaved}
             memory = sqlite3.connect(":memory:", check_same_thread=False)
             with memory:
-                memory.execute(_SCHEMA)
+                memory.execute(SCHEMA)
                 memory.executemany("INSERT INTO learned VALUES (?, ?, ?, ?, ?, ?, ?)", map(astuple, kept.values()))
             old, self._conn = self._conn, memory
             self._learned_in_memory, self._unsaved = kept, {}
@@ -419,15 +395,15 @@ class LearnedStore:
         white space aside), so the text as the user typed it finds what was stored."""
         wanted = None if message is None else recall_key(message)
         with self._cursor() as conn:  # (no RETURNING: older SQLite builds lack it)
-            where, args = _filters(self._spellings(conn, tap), capability, kind)
+            where, args = where_clause(self._spellings(conn, tap), capability, kind)
             deleted = {row for row in conn.execute(f"SELECT tap, capability, message FROM learned{where}", args)
                        if wanted is None or recall_key(row[2]) == wanted}
             conn.executemany("DELETE FROM learned WHERE tap = ? AND capability = ? AND message = ?", sorted(deleted))
         with self._lock:
-            held = [key for key, e in self._unsaved.items() if _matches(e, tap, capability, message, kind)]
+            held = [key for key, e in self._unsaved.items() if matches(e, tap, capability, message, kind)]
             for key in held:
                 del self._unsaved[key]
-            for key in [k for k, e in self._learned_in_memory.items() if _matches(e, tap, capability, message, kind)]:
+            for key in [k for k, e in self._learned_in_memory.items() if matches(e, tap, capability, message, kind)]:
                 del self._learned_in_memory[key]
             if held and not self._unsaved:
                 self.error = None
@@ -516,89 +492,3 @@ class LearnedStore:
         return lost + self._store_learned_in_memory()
 
 
-def _read_only_rows(path: Path) -> list[tuple[Any, ...]]:
-    """Every row of a learned file, read without writing to it. Any reader of a WAL file makes a
-    ``-wal`` and ``-shm`` beside it; a connection that may write (``mode=rw``, which never creates
-    the file) removes them as the last one to close, where a read-only one left them behind. Where
-    it cannot write, ``mode=ro``; and where SQLite cannot even create the ``-shm`` (a read-only
-    directory: "unable to open database file", the corrections were hidden), ``immutable=1`` reads
-    the file as it is. The path is quoted: ``#``, ``?`` or ``%`` in a data directory's name would
-    otherwise cut the URI."""
-    uri = f"file:{urllib.parse.quote(str(path.absolute()))}"
-    for mode in ("?mode=rw", "?mode=ro"):
-        try:
-            return _rows(uri + mode)
-        except sqlite3.OperationalError:
-            pass
-    return _rows(uri + "?mode=ro&immutable=1")
-
-
-def _rows(uri: str) -> list[tuple[Any, ...]]:
-    with closing(sqlite3.connect(uri, uri=True)) as stored:
-        stored.text_factory = tolerant_text
-        columns = {row[1] for row in stored.execute("PRAGMA table_info(learned)")}
-        if not columns and not stored.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
-            return []  # an empty database (a zero-length file): nothing learned yet
-        kind = "kind" if "kind" in columns else "'trigger'"
-        return stored.execute(f"SELECT tap, capability, message, previous, session, created, {kind} "
-                              "FROM learned").fetchall()
-
-
-def _usable(rows: Iterable[Sequence[Any]]) -> tuple[list[Learned], list[int]]:
-    """The rows (as :class:`Learned`'s fields) that are corrections, and the indices of those that are
-    not: a damaged or edited file can hold a BLOB or undecodable text where text belongs, a ``created``
-    that is no number, an unknown kind. Routing used to fail on them, and the daemon with it."""
-    found: list[Learned] = []
-    skipped: list[int] = []
-    for index, (tap, capability, message, previous, session, created, kind) in enumerate(rows):
-        texts = all(map(stored_text, (tap, capability, message))) and all(
-            v is None or stored_text(v) for v in (previous, session))
-        if texts and kind in KINDS and isinstance(created, int | float) and math.isfinite(created):
-            found.append(Learned(tap, capability, message, previous, session, float(created), kind))
-        else:
-            skipped.append(index)
-    return found, skipped
-
-
-def skipped_rows(path: Path, count: int) -> str:
-    """What to say about ``count`` rows of ``path`` that are no corrections."""
-    return (f"{path}: skipped {count} row(s) that cannot be read as learned corrections (damaged or edited); "
-            "capd leaves them in the file")
-
-
-def _damaged(exc: sqlite3.Error) -> bool:
-    """Whether SQLite says the file itself is damaged (not a database, malformed), not in the way."""
-    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
-
-
-def canonical_tap(tap: Path | str) -> str:
-    """The key a tap's corrections are stored under: its real path, so that ``taps/x``,
-    ``config/../taps/x`` and a link to it are one tap. A byte of the path that is not UTF-8 is
-    written ``\\xNN`` (:func:`~capd.text.printable`): SQLite takes text only."""
-    return printable(os.path.realpath(os.path.expanduser(str(tap))))
-
-
-def _filters(taps: Sequence[str] | None, capability: str | None,
-             kind: str | None = None) -> tuple[str, tuple[str, ...]]:
-    """A WHERE clause: ``taps`` are the spellings of one tap (:meth:`LearnedStore._spellings`)."""
-    clauses: list[str] = []
-    args: list[str] = []
-    if taps is not None:
-        clauses.append(f"tap IN ({', '.join('?' * len(taps))})")
-        args += taps
-    for column, value in (("capability", capability), ("kind", kind)):
-        if value is not None:
-            clauses.append(f"{column} = ?")
-            args.append(value)
-    return (f" WHERE {' AND '.join(clauses)}" if clauses else ""), tuple(args)
-
-
-def _matches(entry: Learned, tap: Path | str | None = None, capability: str | None = None,
-             message: str | None = None, kind: str | None = None) -> bool:
-    """:func:`_filters` for an entry held in memory, and ``message`` as :meth:`LearnedStore.forget` matches it."""
-    if tap is not None and canonical_tap(entry.tap) != canonical_tap(tap):
-        return False
-    if message is not None and recall_key(entry.message) != recall_key(message):
-        return False
-    wanted = {"capability": capability, "kind": kind}
-    return all(getattr(entry, column) == value for column, value in wanted.items() if value is not None)

@@ -34,7 +34,8 @@ from capd.fits import RuleFits, fitting_threads, heads_dir
 from capd.fused import TOKEN_BUDGET
 from capd.health import health as health_of
 from capd.index import SyncReport, TriggerIndex
-from capd.learned import KINDS, LearnedStore
+from capd.learned import LearnedStore
+from capd.learned_rows import KINDS
 from capd.live_taps import LiveTaps
 from capd.metrics import Metrics
 from capd.model_switch import ModelSwitch

@@ -23,7 +23,8 @@ from capd.api import create_app
 from capd.cli import main
 from capd.corrections import Corrections
 from capd.errors import ConfigError
-from capd.learned import LearnedStore, canonical_tap
+from capd.learned import LearnedStore
+from capd.learned_rows import canonical_tap
 from capd.service import Service
 from capd.settings import Settings, default_taps, load_settings
 from tests.conftest import SettingsFactory, file_held, isolated_data_dir

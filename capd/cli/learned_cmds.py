@@ -21,7 +21,8 @@ from capd.cli.common import (
 )
 from capd.cli.daemon_cmds import client_for
 from capd.errors import ClientError
-from capd.learned import FILE_NAME, Learned, LearnedStore, canonical_tap, skipped_rows
+from capd.learned import FILE_NAME, LearnedStore
+from capd.learned_rows import Learned, canonical_tap, skipped_rows
 from capd.settings import Settings, distinct_taps
 
 
