@@ -139,8 +139,7 @@ def score_table(router: Router, fixtures: Sequence[Fixture], top_k: int | None =
     if len(router.vetoes) and len(names):
         winners = [names[i] for i in scores.argmax(axis=1).tolist()]
         own = [f.message for f in fixtures] if not_own_veto else None
-        refusals = router.refusals(vectors, winners, own, knn, tokens, coverage)
-        vetoed = np.array([r is not None for r in refusals], dtype=bool)
+        vetoed = np.array([r is not None for r in router.refusals(vectors, winners, own, knn)], dtype=bool)
     return ScoreTable(tuple(fixtures), names, scores, routable, expected, levels, vetoed, coverage)
 
 

@@ -175,23 +175,18 @@ class Router:
         return cached[2]
 
     def refusals(self, vectors: np.ndarray, winners: Sequence[str],
-                 own: Sequence[str] | None = None, knn: np.ndarray | None = None,
-                 tokens: TokenVectors | None = None, coverage: np.ndarray | None = None) -> list[Refusal | None]:
+                 own: Sequence[str] | None = None, knn: np.ndarray | None = None) -> list[Refusal | None]:
         """Per message: the :class:`Refusal` that vetoes its winner (:class:`Vetoes`), else None.
         ``own`` (the messages' texts) leaves out a tap's veto equal to the message itself: ``capd
         calibrate`` scores the fixtures' null rows that become the tap's vetoes, and a row must not
         be turned away by its own copy (learned abstains and the corpus are not fixtures: they stay).
         ``knn``: the messages' mean-top-k example cosines in the head's column order when the caller
-        has them (:class:`capd.fused.Scores`), so that the corpus class does not score them again.
-        ``tokens`` and ``coverage`` (the fused rule: the messages' token vectors and their winners'
-        coverage) let a corpus line veto only a message it covers as much of
-        (:meth:`Vetoes.covering_line`); without them, or with a NaN coverage, its cosine decides alone."""
+        has them (:class:`capd.fused.Scores`), so that the corpus class does not score them again."""
         out: list[Refusal | None] = [None] * len(winners)
         queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
         # copies that differ in tags, case or spacing count as one message (as in capd.calibrate.split)
         own_keys = None if own is None else [routed_key(m) for m in own]
         key_of: dict[str, str] = {}  # veto text -> its key, computed once per call
-        covering = (tokens, coverage) if self.vetoes.covers() and tokens is not None and coverage is not None else None
 
         def key(text: str) -> str:
             if text not in key_of:
@@ -203,24 +198,15 @@ class Router:
             tap = capability.tap if capability is not None else None
             own_row = None if own_keys is None else (lambda text, mine=own_keys[row]: key(text) == mine)
             corpus = self._gates_for(name).abstain_corpus
-            evidence = self.vetoes.evidence(name, corpus, tap, queries[row], own_row)
-            if evidence:
+            nearest = self.vetoes.nearest(name, corpus, tap, queries[row], own_row)
+            if nearest is not None:
+                similarity, message, source = nearest
                 try:  # only the winner's own examples are compared, not the whole index
                     example = next((c for _, c in self.index.top_triggers(queries[row], name, 1)), -1.0)
                 except UnknownCapability:  # the index moved on under a router about to be replaced
                     example = -1.0
-                for similarity, message, source in evidence:
-                    if not similarity > example + VETO_TIE:
-                        break
-                    if source == "corpus" and covering is not None and math.isfinite(winner := float(covering[1][row])):
-                        found = self.vetoes.covering_line(queries[row], covering[0][row], example, winner)
-                        if found is None:
-                            continue  # no line near it speaks of what it asks: the next source's evidence
-                        similarity, message, covered = found
-                        out[row] = Refusal(message, similarity, example, source, (covered, winner))
-                    else:
-                        out[row] = Refusal(message, similarity, example, source)
-                    break
+                if similarity > example + VETO_TIE:
+                    out[row] = Refusal(message, similarity, example, source)
             if out[row] is None and corpus:
                 out[row] = self._outscored_by_corpus(queries[row], name, None if knn is None else knn[row])
         return out
@@ -253,8 +239,7 @@ class Router:
         router = copy.copy(self)
         router.gates = self.gates.with_abstain_corpus(on and self.rule != "anchor")
         if on and self.rule != "anchor":
-            router.vetoes = self.vetoes.with_corpus(self.encoder.embed,
-                                                    self.encoder.embed_tokens if self.rule == "fused" else None)
+            router.vetoes = self.vetoes.with_corpus(self.encoder.embed)
             examples = self.index.examples()
             if self.head is not None and examples[0] == self.head.names:  # (not when the index moved on under it)
                 router.vetoes = router.vetoes.with_corpus_class(self.head, examples)
@@ -278,12 +263,9 @@ class Router:
         return router
 
     def _vetoed(self, vector: np.ndarray, name: str, score: float, margin: float,
-                candidates: tuple[tuple[str, float], ...], knn: np.ndarray | None = None,
-                tokens: TokenVectors | None = None, coverage: float = math.nan) -> Decision | None:
-        """The abstain a veto turns an activation of ``name`` into, if any (``knn``, ``tokens``,
-        ``coverage``: :meth:`refusals`)."""
-        refusal = self.refusals(vector[None, :], [name], knn=knn, tokens=tokens,
-                                coverage=np.array([coverage], dtype=np.float32))[0]
+                candidates: tuple[tuple[str, float], ...], knn: np.ndarray | None = None) -> Decision | None:
+        """The abstain a veto turns an activation of ``name`` into, if any (``knn``: :meth:`refusals`)."""
+        refusal = self.refusals(vector[None, :], [name], knn=knn)[0]
         if refusal is None:
             return None
         if refusal.source == "corpus class":
@@ -293,11 +275,9 @@ class Router:
         who = {"learned": "which an agent refused it for", "corpus": "a message of capd's abstain corpus",
                "tap": "one of its tap's vetoes (vetoes.jsonl; unless it is one of them, the cosine shown is the "
                       "second nearest veto's: two must be closer)"}[refusal.source]
-        covered = "" if refusal.covered is None else (
-            f", and covers as much of its words ({refusal.covered[0]:.2f} against {refusal.covered[1]:.2f})")
         return Decision("abstain", f"{name} vetoed: the message is closer to {refusal.message[:60]!r} "
-                        f"({refusal.similarity:.2f}), {who}, than to its nearest example ({refusal.example:.2f})"
-                        f"{covered}", name, score, margin, candidates)
+                        f"({refusal.similarity:.2f}), {who}, than to its nearest example ({refusal.example:.2f})",
+                        name, score, margin, candidates)
 
     def embed(self, text: str) -> tuple[np.ndarray, TokenVectors | None]:
         """One cleaned message's vector and, for ``fused``, its token vectors (one model call)."""
@@ -414,7 +394,7 @@ class Router:
             return Decision("abstain", f"{name}'s examples cover the message's words {value}, below coverage "
                             f"{limit}: much of what it says is unlike anything they say", name, level, gap, candidates)
         covered = f", coverage {coverage:.2f} clears {gates.coverage:.2f}" if gates.coverage > 0 else ""
-        return self._vetoed(vector, name, level, gap, candidates, scores.knn, tokens, coverage) or Decision(
+        return self._vetoed(vector, name, level, gap, candidates, scores.knn) or Decision(
             "activate", f"{name} level {level:.2f} clears threshold {gates.threshold:.2f} and margin "
             f"{gates.margin:.2f} (margin {gap:.2f}){covered}", name, level, gap, candidates)
 

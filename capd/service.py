@@ -341,8 +341,7 @@ class Service:
                                       cache=False) if rule == "fused" else None
         gates = self.fits.gatebook(catalog, manifest, gate_model)
         if gates.abstain_corpus:  # a tap's capd.toml turns it on (`capd calibrate` decides)
-            # (under fused, a corpus line must also cover the message: its token vectors, embedded when asked)
-            vetoes = vetoes.with_corpus(vectors_of, self.encoder.embed_tokens if rule == "fused" else None)
+            vetoes = vetoes.with_corpus(vectors_of)
             if head is not None:  # and, for the fused rule, as a class of its ranking (cached with the head)
                 with fitting_threads(replacing=previous is not None):
                     vetoes = vetoes.with_corpus_class(head, index.examples(), heads_dir(self.settings) if serving

@@ -4,11 +4,10 @@ Three sources, one rule (:class:`Vetoes`): the messages an agent refused a capab
 abstains, :mod:`capd.learned`), a tap's ``vetoes.jsonl`` (``capd calibrate --write`` writes its
 fixtures' null rows there), and the shipped abstain corpus (:func:`abstain_corpus`) for taps whose
 gates turn it on. A winner is vetoed when the message is nearer one of them than to the winner's
-nearest example (a tap's need two: ``TAP_VETO_VOTES``). The router asks :meth:`Vetoes.evidence`
+nearest example (a tap's need two: ``TAP_VETO_VOTES``). The router asks :meth:`Vetoes.nearest`
 for the evidence and compares it with its index (:meth:`capd.router.Router.refusals`). Under the
-fused rule a corpus line must also speak of as much of the message as the winner's examples do
-(:meth:`Vetoes.covering_line`), and the corpus has a second way in: as a class of the ranking that
-outscores the winner (:mod:`capd.corpus_class`).
+fused rule the corpus has a second way in: as a class of the ranking that outscores the winner
+(:mod:`capd.corpus_class`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Literal
 import numpy as np
 
 from capd.corpus_class import CorpusClass, class_key, fit_corpus_class
-from capd.fused import EmbedTokens, FusedHead, Stop
+from capd.fused import FusedHead, Stop
 from capd.text import routed_key, strip_tags
 
 # How much closer to a refused message than to the capability's nearest example a message must be
@@ -41,15 +40,6 @@ TAP_VETO_VOTES = 2
 # (`python -m benchmarks.quality.corpus_trial --corpus-votes 2`; benchmarks/quality/README.md, *A larger
 # abstain corpus*): with the shipped corpus taps/core met issue 6's goal on 0 of 20 splits instead of 7.
 CORPUS_VETO_VOTES = 1
-# Under the fused rule a corpus line vetoes only when it also covers as much of the message as the
-# winner's examples do (the coverage gate's statistic: the mean over the message's tokens of the best
-# cosine to any of the line's tokens). The corpus's lines are generic, and a request that names a
-# file, a test or a day came near one that shares those words and nothing else: "create an issue
-# for the flaky login test" was turned away by the pasted log "FAILED tests/test_api.py::test_login
-# - AssertionError", which covers 0.45 of its words where issue-tracking's examples cover 0.54.
-# Measured: `python -m benchmarks.quality.corpus_covers_trial` (benchmarks/quality/README.md,
-# *A corpus line must cover the message*).
-CORPUS_VETO_COVERS = True
 
 
 VetoSource = Literal["learned", "corpus", "corpus class", "tap"]
@@ -92,9 +82,6 @@ class Vetoes:
     corpus_vectors: np.ndarray | None = None  # unit rows [len(corpus), dim]
     taps: Mapping[Path, tuple[tuple[str, ...], np.ndarray]] = field(default_factory=dict)  # tap -> (texts, rows)
     corpus_class: CorpusClass | None = None  # the corpus as a class of the fused ranking (capd/corpus_class.py)
-    # the corpus lines' token vectors (fused rule), embedded when a line is first asked to cover a message
-    corpus_tokens_of: EmbedTokens | None = field(default=None, compare=False, repr=False)
-    corpus_tokens: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, refused: Mapping[str, Sequence[str]], vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
@@ -109,17 +96,12 @@ class Vetoes:
             start += len(messages)
         return cls(MappingProxyType(texts), MappingProxyType(vectors))
 
-    def with_corpus(self, vectors_of: Callable[[list[str]], np.ndarray],
-                    tokens_of: EmbedTokens | None = None) -> Vetoes:
-        """These vetoes plus the abstain corpus (embedded once; kept when already there). With
-        ``tokens_of`` (the fused rule's ``embed_tokens``) a corpus line vetoes only a message it
-        covers as much of as the winner's examples do (:meth:`covering_line`)."""
-        if self.corpus_vectors is not None and (tokens_of is None or self.corpus_tokens_of is not None):
+    def with_corpus(self, vectors_of: Callable[[list[str]], np.ndarray]) -> Vetoes:
+        """These vetoes plus the abstain corpus (embedded once; kept when already there)."""
+        if self.corpus_vectors is not None:
             return self
         corpus = abstain_corpus()
-        vectors = self.corpus_vectors if self.corpus_vectors is not None else vectors_of(list(corpus))
-        return replace(self, corpus=corpus, corpus_vectors=np.asarray(vectors, dtype=np.float32),
-                       corpus_tokens_of=tokens_of, corpus_tokens={})
+        return replace(self, corpus=corpus, corpus_vectors=np.asarray(vectors_of(list(corpus)), dtype=np.float32))
 
     def with_corpus_class(self, head: FusedHead, examples: tuple[tuple[str, ...], np.ndarray, np.ndarray],
                           cache_dir: Path | None = None, stop: Stop | None = None) -> Vetoes:
@@ -165,12 +147,12 @@ class Vetoes:
             out.append((self.corpus, self.corpus_vectors, "corpus"))
         return out
 
-    def evidence(self, name: str, corpus: bool, tap: Path | None, query: np.ndarray,
-                 own: Callable[[str], bool] | None = None) -> list[tuple[float, str, VetoSource]]:
-        """The evidence against ``name`` (of ``tap``) for the unit vector ``query``, one item per
-        source that can veto it, strongest first: (cosine, message, source) of its nearest message
-        (for a tap's vetoes, the ``TAP_VETO_VOTES``-th nearest unless the message is one of them).
-        ``own(text)`` leaves out a tap's veto that is the message itself."""
+    def nearest(self, name: str, corpus: bool, tap: Path | None, query: np.ndarray,
+                own: Callable[[str], bool] | None = None) -> tuple[float, str, VetoSource] | None:
+        """The strongest evidence against ``name`` (of ``tap``) for the unit vector ``query``:
+        (cosine, message, source) of the nearest vetoing message over every source that can veto it
+        (for a tap's vetoes, the ``TAP_VETO_VOTES``-th nearest unless the message is one of them);
+        None when nothing can veto it. ``own(text)`` leaves out a tap's veto that is the message itself."""
         evidence = []
         for texts, matrix, source in self.candidates(name, corpus, tap):
             sims = matrix @ query
@@ -182,38 +164,7 @@ class Vetoes:
             if votes > 1 and similarity < 1 - VETO_TIE:  # that many of them must agree
                 similarity = float(np.partition(sims, -votes)[-votes]) if len(sims) >= votes else -np.inf
             evidence.append((similarity, texts[best], source))
-        return sorted(evidence, reverse=True)
-
-    def nearest(self, name: str, corpus: bool, tap: Path | None, query: np.ndarray,
-                own: Callable[[str], bool] | None = None) -> tuple[float, str, VetoSource] | None:
-        """The strongest of :meth:`evidence`; None when nothing can veto ``name``."""
-        evidence = self.evidence(name, corpus, tap, query, own)
-        return evidence[0] if evidence else None
-
-    def covers(self) -> bool:
-        """Whether a corpus line must cover the message to veto it (:meth:`covering_line`)."""
-        return CORPUS_VETO_COVERS and self.corpus_tokens_of is not None and self.corpus_vectors is not None
-
-    def covering_line(self, query: np.ndarray, tokens: np.ndarray, above: float,
-                      coverage: float) -> tuple[float, str, float] | None:
-        """Among the corpus lines nearer ``query`` than ``above`` (the winner's nearest example's
-        cosine), nearest first, the first whose tokens cover as much of the message (its token
-        vectors ``tokens``) as ``coverage`` (the winner's examples'): (its cosine, the line, how
-        much it covers); None when none does. Coverage is the coverage gate's statistic, the mean
-        over the message's tokens of the best cosine to any of the line's tokens."""
-        assert self.corpus_tokens_of is not None and self.corpus_vectors is not None
-        sims = self.corpus_vectors @ query
-        nearer = [int(i) for i in np.argsort(-sims, kind="stable") if sims[i] > above + VETO_TIE]
-        missing = [i for i in nearer if i not in self.corpus_tokens]
-        if missing:  # one model call for the lines not yet embedded (a race embeds one twice: same result)
-            _, rows = self.corpus_tokens_of([self.corpus[i] for i in missing])
-            self.corpus_tokens.update(zip(missing, (np.asarray(r, dtype=np.float32) for r in rows), strict=True))
-        for i in nearer:
-            line = self.corpus_tokens[i]
-            covered = float((tokens @ line.T).max(axis=1).mean()) if len(line) and len(tokens) else 0.0
-            if covered >= coverage:
-                return float(sims[i]), self.corpus[i], covered
-        return None
+        return max(evidence) if evidence else None
 
     def __len__(self) -> int:
         return (sum(len(t) for t in self.texts.values()) + len(self.corpus)
@@ -246,4 +197,3 @@ class Refusal:
     similarity: float
     example: float
     source: VetoSource
-    covered: tuple[float, float] | None = None  # a corpus line's coverage of the message, and the winner's

@@ -26,7 +26,6 @@ import numpy as np
 
 from benchmarks.quality.splits_trial import patched_main
 from capd.corpus_class import CorpusClass, fit_corpus_class
-from capd.encoder import TokenVectors
 from capd.fused import TOP_K
 from capd.router import Router
 from capd.text import routed_key
@@ -60,9 +59,8 @@ def with_null_class(variant: str) -> Iterator[None]:
     shipped = Router.refusals
 
     def refusals(self: Router, vectors: np.ndarray, winners: Sequence[str],
-                 own: Sequence[str] | None = None, knn: np.ndarray | None = None,
-                 tokens: TokenVectors | None = None, coverage: np.ndarray | None = None) -> list[Refusal | None]:
-        out = shipped(self, vectors, winners, own, knn, tokens, coverage)
+                 own: Sequence[str] | None = None, knn: np.ndarray | None = None) -> list[Refusal | None]:
+        out = shipped(self, vectors, winners, own, knn)
         if self.rule != "fused" or self.head is None:
             return out
         queries = np.asarray(vectors, dtype=np.float32).reshape(-1, self.index.dim)
