@@ -50,7 +50,8 @@ from typing import Any, Literal
 
 from capd import atomic, toml_read
 from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
-from capd.settings import Settings, names_a_path
+from capd.setting_values import names_a_path
+from capd.settings import Settings
 
 log = logging.getLogger(__name__)
 

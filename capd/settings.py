@@ -13,24 +13,22 @@ import difflib
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 
-from capd.catalog import RULES
 from capd.errors import ConfigError, TapFileError
 from capd.learned import MAX_PER_CAPABILITY
+from capd.setting_values import CONVERTERS, names_a_path
 from capd.tap_config import load_tap_config
 from capd.tap_files import MAX_FILE_BYTES, line_of, parse_toml_bytes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
-BACKENDS = ("auto", "onnx", "torch")
-WATCH_MODES = ("auto", "poll", "off")  # live reload: notifications (scanning if they fail), scanning, none
 
 
 def package_root() -> Path:
@@ -138,229 +136,17 @@ class Settings:
         return out
 
 
-EMPTY = "empty; unset it for the default"
-
-
-def _not_blank(text: str) -> str:
-    """``text`` unless it is blank: ``Path("")`` is the working directory and ``""`` as a host binds
-    every interface, so an exported but empty ``CAPD_HOST=`` must not pass for a value."""
-    if not text.strip():
-        raise ValueError(EMPTY)
-    return text
-
-
-def _as_paths(value: object) -> tuple[Path, ...]:
-    if isinstance(value, str):
-        parts = [p for p in value.split(os.pathsep) if p.strip()]  # "a::b" as in PATH
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, Path)) for v in value):
-        parts = [str(v) for v in value]
-        if any(not isinstance(v, Path) and not v.strip() for v in value):
-            raise ValueError("must not hold an empty path")
-    else:
-        raise ValueError("must be a path or a list of paths")
-    if not parts:  # no taps at all: every route would abstain, and health would still say ok
-        raise ValueError(EMPTY)
-    return distinct_taps(Path(part).expanduser() for part in parts)
-
-
-def distinct_taps(taps: Iterable[Path]) -> tuple[Path, ...]:
-    """Each tap once, where first named, however spelt (``taps/x``, ``taps/x/``, a link to it):
-    named twice, each of its capabilities was a duplicate of itself (a warning each, and lint said
-    so of every one), and ``capd learned list`` listed its corrections twice."""
-    unique: dict[Path, Path] = {}
-    for path in taps:
-        try:
-            key = path.expanduser().resolve()
-        except (OSError, RuntimeError):  # a symlink loop: the loader names the problem
-            key = path.expanduser().absolute()
-        unique.setdefault(key, path)
-    return tuple(unique.values())
-
-
-def _as_names(value: object) -> tuple[str, ...]:
-    if isinstance(value, str):
-        names = value.split(",")
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        names = list(value)
-    else:
-        raise ValueError("must be a list of names")
-    return tuple(v.strip() for v in names if v.strip())
-
-
-def _as_int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError("must be an integer")
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError("must be an integer") from None
-
-
-def _as_float(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError("must be a number")
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError("must be a number") from None
-
-
-def _as_str(value: object) -> str:
-    if not isinstance(value, str):
-        raise ValueError("must be a string")
-    return value
-
-
-def _model_name(value: object) -> str:
-    """A manifest name, ``hash`` or a model directory; empty would name the working directory."""
-    name = _as_str(value).strip()
-    if not name:
-        raise ValueError("must name a model (a manifest such as all-minilm-l6-v2, hash, or a model directory)")
-    return name
-
-
-def _as_path(value: object) -> Path:
-    if isinstance(value, Path):
-        return value.expanduser()
-    return Path(_not_blank(_as_str(value))).expanduser()
-
-
-def _host(value: object) -> str:
-    return _not_blank(_as_str(value))
-
-
-def _token(value: object) -> str:
-    """The bearer token. It travels in an HTTP header, so printable ASCII without spaces; ``""``
-    passes here and means no token. The reason never quotes the token."""
-    token = _as_str(value)
-    for at, char in enumerate(token, 1):
-        if not "!" <= char <= "~":
-            what = "whitespace" if char.isspace() else "not printable ASCII"
-            raise ValueError(f"character {at} is {what}; a token must be printable ASCII without spaces "
-                             "(it is sent in an HTTP header)")
-    return token
-
-
-def names_a_path(model: str) -> bool:
-    """Whether a ``model`` value is written as a path (``./m``, ``models/x``, ``~/m``) rather than
-    a name (a manifest such as ``all-minilm-l6-v2``, or ``hash``)."""
-    return os.sep in model or "/" in model or model.startswith(("~", "."))
-
-
-def _as_bool(value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    raise ValueError("must be true or false")
-
-
-def _choice(options: tuple[str, ...]) -> Callable[[object], str]:
-    def convert(value: object) -> str:
-        text = _as_str(value).lower()
-        if text not in options:
-            raise ValueError(f"must be one of {', '.join(options)}")
-        return text
-
-    return convert
-
-
-def _positive_int(value: object) -> int:
-    number = _as_int(value)
-    if number < 1:
-        raise ValueError("must be at least 1")
-    return number
-
-
-def _non_negative_int(value: object) -> int:
-    number = _as_int(value)
-    if number < 0:
-        raise ValueError("must be 0 or more")
-    return number
-
-
-def _seconds(value: object) -> float:
-    number = _as_float(value)
-    if not number > 0:  # NaN too
-        raise ValueError("must be a positive number of seconds")
-    return number
-
-
-def _port(value: object) -> int:
-    number = _as_int(value)
-    if not 0 <= number <= 65535:
-        raise ValueError("must be between 0 and 65535")
-    return number
-
-
-def _unit_float(value: object) -> float:
-    number = _as_float(value)
-    if not -1.0 <= number <= 1.0:
-        raise ValueError("must be between -1 and 1")
-    return number
-
-
-def _margin(value: object) -> float:
-    """A margin: a cosine gap (anchor, capd) or a log-odds gap (fused, often above 1)."""
-    number = _as_float(value)
-    if not 0.0 <= number <= 100.0:
-        raise ValueError("must be between 0 and 100")
-    return number
-
-
-def _coverage(value: object) -> float:
-    """The fused rule's coverage gate: a mean of token cosines (0 turns the gate off)."""
-    number = _as_float(value)
-    if not 0.0 <= number <= 1.0:
-        raise ValueError("must be between 0 and 1 (0 turns the coverage gate off)")
-    return number
-
-
-_CONVERTERS: dict[str, Callable[[object], object]] = {
-    "host": _host,
-    "port": _port,
-    "taps": _as_paths,
-    "data_dir": _as_path,
-    "model": _model_name,
-    "models_dir": _as_path,
-    "backend": _choice(BACKENDS),
-    "rule": _choice(RULES),
-    "threshold": _unit_float,
-    "margin": _margin,
-    "top_k": _positive_int,
-    "abstain_corpus": _as_bool,
-    "coverage": _coverage,
-    "auto_gates": _as_bool,
-    "max_active": _positive_int,
-    "min_chars": _non_negative_int,
-    "pinned": _as_names,
-    "session_ttl": _seconds,
-    "token": _token,
-    "uds": _as_path,
-    "log_level": _choice(("debug", "info", "warning", "error")),
-    "learn": _as_bool,
-    "learn_max": _positive_int,
-    "tune": _as_bool,
-    "watch": _choice(WATCH_MODES),
-}
-
 # Environment variable -> setting. DESIGN.md fixes CAPD_TAPS, HOST, PORT, DATA_DIR, CONFIG, MODEL, TOKEN.
-ENV_VARS: dict[str, str] = {f"CAPD_{name.upper()}": name for name in _CONVERTERS}
+ENV_VARS: dict[str, str] = {f"CAPD_{name.upper()}": name for name in CONVERTERS}
 # Other CAPD_* variables something reads: the config file's path, and the reliability suite's size.
 OTHER_ENV_VARS = ("CAPD_CONFIG", "CAPD_RELIABILITY")
 _SECRETS = frozenset({"token"})  # never quoted in an error message
 _warned_env: set[str] = set()  # unknown CAPD_* variables already warned about (once per process)
 
 
-def check_setting(key: str, value: object) -> object:
-    """``value`` converted and checked by the rule of setting ``key``; a ValueError says why not
-    (the CLI checks flags that override a setting this way)."""
-    return _CONVERTERS[key](value)
-
-
 def _convert(source: str, key: str, value: object, line: int | None = None) -> object:
     try:
-        return _CONVERTERS[key](value)
+        return CONVERTERS[key](value)
     except (ValueError, TypeError) as exc:
         got = "" if key in _SECRETS or value == "" else f" (got {value!r})"
         raise ConfigError(source, key, f"{exc}{got}", line) from None
@@ -397,8 +183,8 @@ def read_config_file(path: Path) -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in table.items():
         line = line_of(text, key)
-        if key not in _CONVERTERS:
-            known = ", ".join(sorted(_CONVERTERS))
+        if key not in CONVERTERS:
+            known = ", ".join(sorted(CONVERTERS))
             raise ConfigError(str(path), key, f"unknown setting (known: {known})", line)
         if key in ("taps", "data_dir", "models_dir", "uds") or (
                 key == "model" and isinstance(value, str) and names_a_path(value.strip())):
@@ -441,7 +227,7 @@ def load_settings(
             values[key] = _convert(f"environment {var}", key, environ[var])
     _warn_unknown_env(environ)
     for key, value in given.items():
-        if key not in _CONVERTERS:
+        if key not in CONVERTERS:
             raise ConfigError("flags", key, "unknown setting")
         values[key] = _convert(f"--{key.replace('_', '-')}", key, value)
     if values.get("token") == "":

@@ -20,7 +20,8 @@ import click
 
 from capd.client import check_host
 from capd.errors import CapdError, DaemonUnreachable
-from capd.settings import Settings, check_setting, load_settings
+from capd.setting_values import check_setting
+from capd.settings import Settings, load_settings
 from capd.text import finite, surrogate_at
 
 EXIT_OK = 0

@@ -33,7 +33,8 @@ from capd.cli.common import (
     stderr,
 )
 from capd.client import CapdClient, base_url, check_host
-from capd.settings import WATCH_MODES, Settings
+from capd.setting_values import WATCH_MODES
+from capd.settings import Settings
 
 
 def client_for(settings: Settings) -> CapdClient:

@@ -23,7 +23,8 @@ from capd.cli.daemon_cmds import client_for
 from capd.errors import ClientError
 from capd.learned import FILE_NAME, LearnedStore
 from capd.learned_rows import Learned, canonical_tap, skipped_rows
-from capd.settings import Settings, distinct_taps
+from capd.setting_values import distinct_taps
+from capd.settings import Settings
 
 
 def _store(settings: Settings, write: bool = False) -> LearnedStore:
@@ -55,7 +56,7 @@ def _tap(tap: Path | None) -> str | None:
 
 
 def _distinct(taps: tuple[Path, ...]) -> list[Path | None]:
-    """The taps given, each once (:func:`~capd.settings.distinct_taps`); ``[None]`` (every tap) when none is.
+    """The taps given, each once (:func:`~capd.setting_values.distinct_taps`); ``[None]`` (every tap) when none is.
     A path that is no tap directory is warned about on stderr, not refused: what was learned for a tap
     that has since moved or gone can still be listed, exported and forgotten under its old path."""
     given = distinct_taps(taps)
