@@ -30,14 +30,13 @@ Nothing is ever downloaded. Hub ids resolve only from the local Hugging Face cac
 ``local_files_only``; when absent the error says how to provide the model as a directory.
 
 Hashing 90 MB of weights costs ~0.1 s on every start (a bare ONNX model load is ~0.37 s here).
-So a successful check is remembered in ``<data_dir>/verified-weights.json`` keyed by the
+So a successful check is remembered in ``<data_dir>/verified-weights.json`` (:mod:`capd.model_weights`) keyed by the
 file's path, size, mtime, ctime and inode; any change to those re-hashes the file (ctime
 cannot be set back from user space, so an edited file is always re-checked).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
@@ -48,8 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from capd import atomic, toml_read
-from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
+from capd import toml_read
+from capd.errors import ModelError, ModelNotAvailable
+from capd.model_weights import verify_weights, weights_file
 from capd.setting_values import names_a_path
 from capd.settings import Settings
 
@@ -59,8 +59,6 @@ SourceKind = Literal["package", "path", "hub", "builtin"]
 POOLINGS = ("mean", "cls")
 BACKEND_CHOICES = ("onnx", "torch")
 HASH_MODEL = "hash"
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-VERIFIED_FILE = "verified-weights.json"
 DEFAULT_GATES: Mapping[str, float] = {"threshold": 0.45, "margin": 0.08, "top_k": 3}
 DEFAULT_FUSED_GATES: Mapping[str, float] = {"threshold": 0.0, "margin": 0.0, "coverage": 0.0}  # the fused rule's scale
 DEFAULT_NEAR_DUPLICATE = 0.90
@@ -390,69 +388,6 @@ def _hub_dir(manifest: ModelManifest, hf_cache: Path | None) -> Path:
         log.debug("hub lookup of %s failed: %s", manifest.source, exc)
         raise ModelNotAvailable(_hub_help(manifest)) from None
     return Path(str(found))
-
-
-def weights_file(directory: Path, manifest: ModelManifest | None = None) -> Path:
-    for name in WEIGHT_FILES:
-        if (directory / name).is_file():
-            return directory / name
-    label = manifest.name if manifest else str(directory)
-    raise ModelNotAvailable(f"model {label!r}: {directory} has no model.safetensors (or pytorch_model.bin); "
-                            "point `model` at a complete sentence-transformers directory")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _stat_key(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-
-
-def _load_stamps(stamp_file: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(stamp_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _save_stamps(stamp_file: Path, stamps: dict[str, Any]) -> None:
-    try:
-        stamp_file.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(stamp_file, json.dumps(stamps, indent=1, sort_keys=True))
-    except OSError as exc:  # a read-only data dir only costs a re-hash next time
-        log.debug("cannot record weight verification in %s: %s", stamp_file, exc)
-
-
-def verify_weights(weights: Path, expected: str | None, data_dir: Path | None = None) -> str:
-    """The sha256 of ``weights``; raises :class:`WeightsMismatch` when it is not ``expected``.
-
-    With ``data_dir``, a file already verified with identical stat data is not re-hashed.
-    """
-    stamp_file = data_dir / VERIFIED_FILE if data_dir else None
-    key = str(weights.resolve())
-    stat_key = _stat_key(weights)
-    stamps = _load_stamps(stamp_file) if stamp_file else {}
-    known = stamps.get(key)
-    if isinstance(known, dict) and known.get("stat") == stat_key and isinstance(known.get("sha256"), str):
-        actual = str(known["sha256"])
-    else:
-        actual = sha256_file(weights)
-    if expected is not None and actual != expected.lower():
-        raise WeightsMismatch(
-            f"{weights}: sha256 is {actual}, but the manifest pins {expected}; refusing to load weights that "
-            "are not the verified ones (reinstall the model, or fix sha256 in the manifest if you changed "
-            "the model on purpose)")
-    if stamp_file is not None and known != {"stat": stat_key, "sha256": actual}:
-        stamps[key] = {"stat": stat_key, "sha256": actual}
-        _save_stamps(stamp_file, stamps)
-    return actual
 
 
 def resolve(manifest: ModelManifest, data_dir: Path | None = None, hf_cache: Path | None = None) -> ResolvedModel:

@@ -48,7 +48,8 @@ from filelock import FileLock, Timeout
 
 from capd import atomic
 from capd.errors import ModelError
-from capd.models import quiet_progress_bars, sha256_file
+from capd.model_weights import sha256_file
+from capd.models import quiet_progress_bars
 
 log = logging.getLogger(__name__)
 

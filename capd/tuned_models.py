@@ -196,7 +196,7 @@ def in_use(directory: Path) -> bool:
 def _delete(data_dir: Path, directory: Path) -> bool:
     """Remove a tuned model and its ONNX export unless a process holds it (False then).
     Raises OSError when it cannot be removed; one already gone counts as removed."""
-    from capd.models import sha256_file
+    from capd.model_weights import sha256_file
     from capd.onnx_export import onnx_dir
 
     handle = flocked(_in_use_path(directory), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from capd.encoder import Encoder, HashEncoder, open_encoder
-from capd.models import VERIFIED_FILE
+from capd.model_weights import VERIFIED_FILE
 from capd.settings import Settings
 
 SettingsFactory = Callable[..., Settings]

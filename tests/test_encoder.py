@@ -22,7 +22,8 @@ import pytest
 import capd.onnx_export as onnx_export
 from capd.encoder import Encoder, HashEncoder, OnnxEncoder, TorchEncoder, model_identity, open_encoder
 from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
-from capd.models import VERIFIED_FILE, manifest_for, resolve
+from capd.model_weights import VERIFIED_FILE
+from capd.models import manifest_for, resolve
 from capd.settings import Settings
 from capd.vectorcache import VectorCache, text_hash
 

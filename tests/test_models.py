@@ -13,21 +13,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+import capd.model_weights as model_weights
 import capd.models as models
 from capd.cli import main
 from capd.errors import ModelError, ModelNotAvailable, WeightsMismatch
-from capd.models import (
-    HASH_MANIFEST,
-    VERIFIED_FILE,
-    availability,
-    load_manifest,
-    load_manifests,
-    locate,
-    manifest_for,
-    resolve,
-    sha256_file,
-    verify_weights,
-)
+from capd.model_weights import VERIFIED_FILE, sha256_file, verify_weights
+from capd.models import HASH_MANIFEST, availability, load_manifest, load_manifests, locate, manifest_for, resolve
 from capd.settings import Settings, shipped_models_dir
 
 MINILM_SHA = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
@@ -114,13 +105,13 @@ def test_verification_is_remembered_until_the_file_changes(tmp_path: Path, bundl
     weights = tmp_path / "model.safetensors"
     shutil.copyfile(bundled_dir / "model.safetensors", weights)
     calls: list[Path] = []
-    real = models.sha256_file
+    real = model_weights.sha256_file
 
     def counting(path: Path) -> str:
         calls.append(path)
         return real(path)
 
-    monkeypatch.setattr(models, "sha256_file", counting)
+    monkeypatch.setattr(model_weights, "sha256_file", counting)
     data = tmp_path / "data"
     assert verify_weights(weights, MINILM_SHA, data) == MINILM_SHA
     assert verify_weights(weights, MINILM_SHA, data) == MINILM_SHA
@@ -285,7 +276,7 @@ def test_capd_models_text_and_verify(tmp_path: Path, bundled_dir: Path) -> None:
     assert CliRunner().invoke(main, ["models", "--verify"], env=env).exit_code == 1
     assert CliRunner().invoke(main, ["models"], env=env).exit_code == 0  # no check, no failure
     # a stamp saying this very file (same stat) was verified: --verify hashes it all the same
-    stamp = {str(weights.resolve()): {"stat": models._stat_key(weights), "sha256": MINILM_SHA}}
+    stamp = {str(weights.resolve()): {"stat": model_weights.stat_stamp(weights), "sha256": MINILM_SHA}}
     (tmp_path / "data").mkdir(exist_ok=True)
     (tmp_path / "data" / VERIFIED_FILE).write_text(json.dumps(stamp))
     rows = {r["name"]: r for r in json.loads(CliRunner().invoke(main, ["models", "--verify", "--json"],

@@ -115,7 +115,7 @@ def test_a_tuning_finished_twice_keeps_the_first_copy(tmp_path: Path) -> None:
 
 def fake_models(data_dir: Path, keys: list[str]) -> list[Path]:
     """Complete-looking tuned models (weights, marker, an ONNX export dir), oldest first."""
-    from capd.models import sha256_file
+    from capd.model_weights import sha256_file
     from capd.onnx_export import onnx_dir
 
     made = []
