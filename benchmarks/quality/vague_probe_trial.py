@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.quality.run import LIMITS, Bench, EvalSet, folds_trial, gated
+from benchmarks.quality.run import LIMITS, Bench, EvalSet, FusedSet, folds_trial, gated
 from capd.calibrate import Variants, fit_gates, fitted_router, grid_for, score_variants
 from capd.evaluation import ScoreTable
 
@@ -37,7 +37,7 @@ def unit(vectors: np.ndarray) -> np.ndarray:
     return unit_rows
 
 
-def probe_vetoes(bench: Bench, on: Any, table: ScoreTable) -> np.ndarray:
+def probe_vetoes(on: FusedSet, table: ScoreTable) -> np.ndarray:
     """bool [rows]: the row's winner has a probe at least as near the message as its nearest trigger."""
     encoder = on.service.router.encoder
     catalog = {c.name: c for c in on.service.catalog_now()}
@@ -66,7 +66,7 @@ def run_set(bench: Bench, evalset: EvalSet, folds: int) -> dict[str, Any]:
     with bench.fused_set(evalset) as on:
         router, _, _ = fitted_router(on.service.router, on.fixtures, on.vectors, on.tokens)
         shipped = score_variants(router, on.fixtures, on.vectors, on.tokens, grid)
-        mask = probe_vetoes(bench, on, shipped[False][grid.top_ks[0]])
+        mask = probe_vetoes(on, shipped[False][grid.top_ks[0]])
         positive = np.array([f.positive for f in on.fixtures], dtype=bool)
         held = np.zeros(len(mask), dtype=bool)
         held[on.held_rows] = True
