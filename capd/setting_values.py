@@ -170,27 +170,15 @@ def _port(value: object) -> int:
     return number
 
 
-def _unit_float(value: object) -> float:
-    number = _as_float(value)
-    if not -1.0 <= number <= 1.0:
-        raise ValueError("must be between -1 and 1")
-    return number
+def _float_between(low: float, high: float, note: str = "") -> Callable[[object], float]:
+    """A number from ``low`` to ``high`` (NaN is not one); ``note`` ends the error."""
+    def convert(value: object) -> float:
+        number = _as_float(value)
+        if not low <= number <= high:
+            raise ValueError(f"must be between {low:g} and {high:g}{note}")
+        return number
 
-
-def _margin(value: object) -> float:
-    """A margin: a cosine gap (anchor, capd) or a log-odds gap (fused, often above 1)."""
-    number = _as_float(value)
-    if not 0.0 <= number <= 100.0:
-        raise ValueError("must be between 0 and 100")
-    return number
-
-
-def _coverage(value: object) -> float:
-    """The fused rule's coverage gate: a mean of token cosines (0 turns the gate off)."""
-    number = _as_float(value)
-    if not 0.0 <= number <= 1.0:
-        raise ValueError("must be between 0 and 1 (0 turns the coverage gate off)")
-    return number
+    return convert
 
 
 CONVERTERS: dict[str, Callable[[object], object]] = {
@@ -202,11 +190,13 @@ CONVERTERS: dict[str, Callable[[object], object]] = {
     "models_dir": _as_path,
     "backend": _choice(BACKENDS),
     "rule": _choice(RULES),
-    "threshold": _unit_float,
-    "margin": _margin,
+    "threshold": _float_between(-1.0, 1.0),
+    # a cosine gap (anchor, capd) or a log-odds gap (fused, often above 1)
+    "margin": _float_between(0.0, 100.0),
     "top_k": _positive_int,
     "abstain_corpus": _as_bool,
-    "coverage": _coverage,
+    # the fused rule's coverage gate: a mean of token cosines (0 turns the gate off)
+    "coverage": _float_between(0.0, 1.0, " (0 turns the coverage gate off)"),
     "auto_gates": _as_bool,
     "max_active": _positive_int,
     "min_chars": _non_negative_int,
