@@ -256,8 +256,8 @@ def tap_rule(taps: Iterable[Path]) -> tuple[str, str]:
     (flag, ``CAPD_RULE``, config file) beats it.
 
     A tap's author who has measured a rule on the tap's fixtures names it there, so that the tap
-    routes with it by default: taps/core names ``fused``, which fires right on 0.820 of its fixture
-    positives against 0.469 for the ``capd`` rule (``capd test taps/core``). capd's own default stays
+    routes with it by default: taps/core names ``fused``, which fires right on 0.823 of its fixture
+    positives against 0.507 for the ``capd`` rule (``capd test taps/core``). capd's own default stays
     ``capd`` for taps that name none (``fused`` without calibrated gates lets more nulls through:
     README, *Which rule by default*). The rule is chosen when capd starts: a daemon keeps it when the
     file changes (one rule's fitted state cannot be swapped for another's under live routes), and

@@ -356,7 +356,7 @@ def core_fixtures() -> list[Any]:
 
 def test_each_part_adds_to_top1_on_the_shipped_tap(fused_core: Service, model_settings: Settings,
                                                     core_fixtures: list[Any]) -> None:
-    """Measured on taps/core with the bundled model: anchor 0.869, fused 0.964 (see the quality report)."""
+    """Measured on taps/core's 406 fixture rows with the bundled model: anchor 0.869, fused 0.954."""
     anchor = Service(dataclasses.replace(model_settings, taps=default_taps(), rule="anchor")).start()
     router = fused_core.router
     head = router.head
@@ -384,38 +384,48 @@ NO_COVERAGE = dataclasses.replace(FUSED_GRID, coverages=np.zeros(1))  # calibrat
 
 def test_second_stage_fires_more_often_right_on_the_shipped_tap(fused_core: Service,
                                                                  core_fixtures: list[Any]) -> None:
-    """Late interaction over token vectors settles near ties that pooled vectors blur. Measured on
-    taps/core with the coverage gate off (it is measured on its own below), gates calibrated on the
-    fit part: held-out fired_right 0.767 without, 0.781 with (abstain corpus on; 0.754 and 0.815
-    before the agent-turn fixtures). With the
-    coverage gate on as well, the second stage no longer adds fired_right (benchmarks/quality/README.md,
-    "Coverage gate"); its contribution there is top1, tested above."""
+    """Late interaction over token vectors settles near ties that pooled vectors blur. Measured as
+    the tap's author works and as its gates were written: calibrated on taps/core/calibration with
+    the tap's limits and no vetoes, then every fixture row held out (406 rows). With the second
+    stage: fired_right 0.801 -> 0.823, null_fpr 0.032 -> 0.024, fired_wrong 0 -> 0.004 (one row),
+    top1 0.950 -> 0.954. It needs the coverage gate beside it: calibrated without that axis it
+    loses there (0.720 -> 0.692, null_fpr 0.040 -> 0.048). Calibrated on a 30 % split of the
+    fixtures alone, its effect is within what a split moves (benchmarks/quality/README.md,
+    "Second stage")."""
     router = fused_core.router
     head = router.head
     assert head is not None and head.tokens is not None
     message = "rebuild the image with --no-cache and run it on port 8080"
+    calibration = load_fixtures(sorted((CORE / "calibration").glob("*.jsonl")))
+
+    def held_out() -> dict[str, Any]:
+        point = calibrate(router, calibration, max_null_fpr=0.05, max_wrong=0.02, vetoes=False)["recommended"]
+        assert point is not None and point["abstain_corpus"]  # on both ways, as the tap ships it
+        metrics, _, _ = evaluate(router, core_fixtures, point["threshold"], point["margin"], point["coverage"])
+        return metrics
+
     with_second = router.route(message)
     router.head = dataclasses.replace(head, rescore_weight=0.0)
     try:
         without = router.route(message)
-        held_without = calibrate(router, core_fixtures, grid=NO_COVERAGE)["held_out"]
+        held_without = held_out()
     finally:
         router.head = head
-    held_with = calibrate(router, core_fixtures, grid=NO_COVERAGE)["held_out"]
+    held_with = held_out()
     assert with_second.candidates[0][0] == "docker" and without.candidates[0][0] == "shell"
-    assert held_with["fired_right"] > held_without["fired_right"]
-    assert held_with["null_fpr"] <= held_without["null_fpr"] and held_with["fired_wrong"] <= held_without["fired_wrong"]
+    assert held_with["fired_right"] >= held_without["fired_right"] + 0.015
+    assert held_with["null_fpr"] <= held_without["null_fpr"] and held_with["fired_wrong"] <= 0.02
 
 
 def test_coverage_gate_fires_more_often_right_on_the_shipped_tap(fused_core: Service, core_fixtures: list[Any],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The coverage gate (the share of the message's words the winner's examples speak of) turns
     away chitchat, feedback, pasted logs and off-topic asks that level and margin let through.
-    taps/core, calibrated on the fit part with and without the coverage axis, the abstain corpus on
-    both ways as the tap ships it: fit fired_right 0.759 -> 0.868, held-out 0.781 -> 0.877, null_fpr
-    0.051 and fired_wrong 0 both ways. (Left to choose, calibration keeps the corpus without the
-    gate and, by one fit positive of 174, leaves it off with it: held-out null_fpr 0.051 -> 0.103,
-    the corpus's doing, not the gate's; with the corpus off both ways it is 0.103 both ways.)"""
+    taps/core (406 fixture rows), calibrated on the fit part with and without the coverage axis, the
+    abstain corpus on both ways as the tap ships it: fit fired_right 0.650 -> 0.855, held-out
+    0.671 -> 0.866, null_fpr 0.026 and fired_wrong 0 both ways. (Left to choose, calibration leaves
+    the corpus off without the gate, by two fit positives of 200, and keeps it with it: held-out
+    null_fpr 0.077 -> 0.026.)"""
     monkeypatch.setattr("capd.calibrate.CORPUS_MIN_GAIN", -1.0)  # any fit gain keeps it: on both ways
     router = fused_core.router
     with_gate = calibrate(router, core_fixtures)
