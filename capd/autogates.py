@@ -230,12 +230,13 @@ def evidence(examples: Examples, corpus: Sequence[str], corpus_embedded: Embedde
 def auto_gates(examples: Examples, corpus: Sequence[str], embed_corpus: Callable[[Sequence[str]], Embedded],
                head_key: str, cache_dir: Path | None, model: str = "", fingerprints: Mapping[str, str] | None = None,
                previous: Fit | None = None) -> Fit:
-    """:func:`choose`, cached in ``cache_dir`` by the head's key, the corpus and :data:`VERSION`;
+    """:func:`choose`, cached in ``cache_dir`` by the head's key, the fused scoring constants
+    (:func:`capd.fused.scoring_key`), the corpus and :data:`VERSION`;
     ``previous`` (the last fit, for ``model``) carries over while the examples' ``fingerprints``
     differ from its basis in at most :data:`AUTO_REFIT_SHARE` of the capabilities."""
     fingerprints = dict(fingerprints or {})
-    digest = hashlib.sha256(f"{VERSION}\n{head_key}\n{AUTO_FOLDS} {AUTO_NULL_RATE} {AUTO_MAX_WRONG} "
-                            f"{CORPUS_LEVEL_CUT} {AUTO_REFIT_SHARE} {AUTO_MIN_SCORED}\n".encode())
+    digest = hashlib.sha256(f"{VERSION}\n{head_key}\n{fused.scoring_key()}\n{AUTO_FOLDS} {AUTO_NULL_RATE} "
+                            f"{AUTO_MAX_WRONG} {CORPUS_LEVEL_CUT} {AUTO_REFIT_SHARE} {AUTO_MIN_SCORED}\n".encode())
     for message in corpus:
         digest.update(message.encode() + b"\n")
     path = cache_dir / f"{digest.hexdigest()}.auto.json" if cache_dir is not None else None

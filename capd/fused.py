@@ -87,6 +87,15 @@ RESCORE_EXAMPLES = 16
 TOKEN_BUDGET = 100_000  # example token rows kept for the second stage (~150 MB of float32 at dim 384)
 VERSION = "fused-4"  # bump when anything above changes the cached heads
 
+
+def scoring_key() -> str:
+    """The constants a fused score reads besides its head, as they are when called (a harness that
+    sets one is keyed by it). What is fitted on fused scores and cached, the auto gates, is cached by
+    it too: the head's key alone misses a change that leaves the heads as they were
+    (``RESCORE_EXAMPLES`` 32 -> 16 did, and auto gates fitted at 32 were read back at 16)."""
+    return (f"{MIX} {TEMPERATURE} {LEXICAL_WEIGHT} {TOP_K} {RESCORE_WEIGHT} {RESCORE_CANDIDATES} "
+            f"{RESCORE_EXAMPLES} {TOKEN_BUDGET}")
+
 def log_softmax(x: Floats) -> Floats:
     shifted = x - x.max(axis=1, keepdims=True)
     return np.asarray(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)), dtype=np.float32)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from capd import autogates, models
+from capd import autogates, fused, models
 from capd.encoder import Embedded, HashEncoder
 from capd.service import Service
 from capd.settings import load_settings
@@ -108,6 +108,27 @@ def test_auto_gates_are_cached_by_the_examples(settings_factory: SettingsFactory
     assert calls == [len(corpus)]  # read back, not refitted
     autogates.auto_gates(examples, corpus, embed_corpus, "key-2", cache)
     assert len(calls) == 2  # other examples: fitted again
+
+
+def test_auto_gates_are_fitted_again_when_fused_scoring_changes(settings_factory: SettingsFactory, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capd whose fused scores changed without its heads changing (the second stage reading 16
+    examples instead of 32) must not read back auto gates fitted on the old scores."""
+    calls: list[int] = []
+    encoder = HashEncoder()
+
+    def embed_corpus(corpus: Sequence[str]) -> Embedded:
+        calls.append(len(corpus))
+        return encoder.embed_tokens(corpus)
+
+    corpus = ["thanks, that was great", "who won the match"]
+    with closing(Service(settings_factory(taps=(_tap(tmp_path / "tap"),), rule="fused")).start()) as service:
+        examples = _examples(service)
+    cache = tmp_path / "cache"
+    autogates.auto_gates(examples, corpus, embed_corpus, "key", cache)
+    monkeypatch.setattr(fused, "RESCORE_EXAMPLES", fused.RESCORE_EXAMPLES + 1)
+    autogates.auto_gates(examples, corpus, embed_corpus, "key", cache)
+    assert len(calls) == 2 and len(list(cache.glob("*.auto.json"))) == 2
 
 
 def test_auto_gates_carry_over_until_enough_capabilities_changed(settings_factory: SettingsFactory,
