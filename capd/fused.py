@@ -96,6 +96,7 @@ def scoring_key() -> str:
     return (f"{MIX} {TEMPERATURE} {LEXICAL_WEIGHT} {TOP_K} {RESCORE_WEIGHT} {RESCORE_CANDIDATES} "
             f"{RESCORE_EXAMPLES} {TOKEN_BUDGET}")
 
+
 def log_softmax(x: Floats) -> Floats:
     shifted = x - x.max(axis=1, keepdims=True)
     return np.asarray(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)), dtype=np.float32)

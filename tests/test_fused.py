@@ -391,7 +391,7 @@ def test_second_stage_fires_more_often_right_on_the_shipped_tap(fused_core: Serv
     top1 0.950 -> 0.954. It needs the coverage gate beside it: calibrated without that axis it
     loses there (0.720 -> 0.692, null_fpr 0.040 -> 0.048). Calibrated on a 30 % split of the
     fixtures alone, its effect is within what a split moves (benchmarks/quality/README.md,
-    "Second stage")."""
+    "Dogfood requests as rows of taps/core")."""
     router = fused_core.router
     head = router.head
     assert head is not None and head.tokens is not None
