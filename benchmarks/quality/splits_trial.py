@@ -17,7 +17,8 @@ figures for comparison, and whether the goal (:data:`~benchmarks.quality.run.GOA
 Written to ``benchmarks/results/splits_trial.json``.
 
 Variants of how calibration chooses its point, each measured this way (the goal checked stays the
-same): ``--ties strict|middle`` (another point among those reaching the best fit fired_right),
+same): ``--ties strict|middle|near`` (another point among those reaching the best fit fired_right,
+or for ``near`` within :data:`NEAR` of it),
 ``--mode spare|wilson|erode`` (``calibration_trial``'s cautious limits), ``--max-null-fpr`` /
 ``--max-wrong`` (the limits calibration is given), and ``--corpus on|off`` (the shipped abstain
 corpus always or never, instead of when it adds ``CORPUS_MIN_GAIN`` to the fit fired_right; each
@@ -67,7 +68,8 @@ def salted(split: int) -> Iterator[None]:
         yield
 
 
-TIES = ("shipped", "strict", "middle")
+TIES = ("shipped", "strict", "middle", "near")
+NEAR = 0.01  # ``--ties near``: how much fit fired_right a safer point may cost
 CORPUS_GAINS = {"on": -1.0, "off": 2.0}  # fit fired_right is within [0, 1]: any gain wins, none does
 
 
@@ -77,7 +79,9 @@ def chooser(ties: str, mode: str) -> Any:
     choice among the points that reach the best fit fired_right (``ties``). ``strict``: the highest
     threshold, then margin, then coverage among them; ``middle``: the highest threshold (as
     shipped), then the middle of the run of margins that reach it from the shipped (lowest) one,
-    then likewise for coverage."""
+    then likewise for coverage; ``near``: among the points within :data:`NEAR` of the best fit
+    fired_right, the one with the lowest fit null_fpr, then fired_wrong, then the most fired_right
+    (then as shipped: the highest threshold, the lowest margin and coverage)."""
     shipped = calibration.best_point
 
     def best_point(tables: dict[int, ScoreTable], max_null_fpr: float, max_wrong: float,
@@ -97,6 +101,10 @@ def chooser(ties: str, mode: str) -> Any:
         v = int(np.flatnonzero(np.isclose(grid.coverages, point.coverage))[0])
         if ties == "strict":
             t, m, v = (int(i) for i in np.argwhere(best)[-1])
+        elif ties == "near":
+            near = np.argwhere(ok & (np.round(right, 4) >= point.fired_right - NEAR - 1e-9))
+            t, m, v = (int(i) for i in min(near, key=lambda i: (null[tuple(i)], wrong[tuple(i)], -right[tuple(i)],
+                                                                   -i[0], i[1], i[2])))
         else:
             m = (m + _run_end(best[t, :, v], m)) // 2
             v = (v + _run_end(best[t, m, :], v)) // 2
