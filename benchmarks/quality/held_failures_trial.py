@@ -13,7 +13,6 @@ written to ``benchmarks/results/held_failures_trial.json``.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from benchmarks.quality.splits_trial import salted
 from capd import calibrate as calibration
 from capd.calibrate import Point
 from capd.evaluation import ScoreTable, apply_gates
+from capd.fixtures import load_fixtures
 
 
 @contextmanager
@@ -63,8 +63,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--splits", default="0", help="comma-separated split numbers (splits_trial's)")
     parser.add_argument("--new", type=Path, action="append", default=[], help="fixture files whose rows are new")
     args = parser.parse_args(argv)
-    new = {json.loads(line)["message"] for path in args.new
-           for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+    new = {fixture.message for fixture in load_fixtures(args.new)}
     found, skipped = chosen_sets(args)
     report: dict[str, Any] = {"skipped": skipped, "results": []}
     with trial_bench("held_failures_trial") as bench:
